@@ -1,0 +1,1 @@
+"""Cache pytrees and formats."""

@@ -1,0 +1,534 @@
+"""Configs: YAML presets -> frozen, hashable dataclasses (static under jit).
+
+A config file has up to six sections (`model`, `attention`, `indexer`, `cache`, `train`,
+`data`) plus a `name`. Overrides are `section.key=value` strings whose value is parsed as
+YAML. Everything is validated at load time; errors name the offending key.
+
+Layer plans and per-layer lists accept a short form: ``"swa*2, (csa, hca)*20, csa"``.
+Ratios resolve in this order: explicit ``attention.ratios`` list, else the per-kind default
+(``csa_ratio``, ``hca_ratio``, ``csa2_ratio``); then ``attention.ratio`` (if > 0) sets every
+compressed layer's ratio at once, so a ratio ablation is one override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or inconsistent; the message names the key."""
+
+
+# Layer kinds. full/reindex/reuse are V4.1's CSA2 layers in their three sharing modes.
+BASELINE_KINDS = ("mha", "mla", "dsa")
+V4_KINDS = ("swa", "hca", "csa", "full", "reindex", "reuse")
+LAYER_KINDS = BASELINE_KINDS + V4_KINDS
+KIND_ALIASES = {"gqa": "mha", "mqa": "mha", "csa2": "full"}
+COMPRESSED_KINDS = ("hca", "csa", "full", "reindex", "reuse")
+INDEXED_KINDS = ("dsa", "csa", "full", "reindex")  # kinds that run their own indexer query
+
+# Cache formats (see dsattn/cache/formats.py for the byte layouts).
+CACHE_FORMATS = (
+    "native",  # the model's compute dtype, no rounding (tests, float64)
+    "bf16",
+    "fp8_ds_mla",  # V3.2 main: FP8 nope + FP32 scale per 128 + BF16 rope (656 B at 512+64)
+    "fp8_fp32",  # V3.2 search key: FP8 + one FP32 scale per 128 (132 B at 128)
+    "fp8_ue8m0_rope_bf16",  # V4 main: FP8 nope + UE8M0 per 64 + BF16 rope + pad (584 B)
+    "fp8_ue8m0",  # V4.1 local: FP8 all dims + UE8M0 per 32 (528 B at 512)
+    "fp4_ue8m0",  # MXFP4 search key: E2M1 + UE8M0 per 32 (68 B at 128)
+    "fp4_e4m3",  # V4.1 main: E2M1 + E4M3 scale per 16 (288 B at 512)
+)
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+INDEXER_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+KEY_NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    ffn_hidden: int = 384
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # compute and parameter dtype
+    init_std: float = 0.02
+    max_seq_len: int = 1024  # default cache length for generation
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    layers: tuple[str, ...] = ("mha",)  # one kind per layer (or one kind for all layers)
+    n_heads: int = 4
+    head_dim: int = 32  # per-head dim (mha); entry width c (V4 family)
+    n_kv_heads: int = 0  # mha/gqa/mqa; 0 means n_heads
+    rope_theta: float = 10000.0
+    # MLA (V2/V3/V3.2)
+    q_lora_rank: int = 0  # 0: queries straight from x (MHA/MLA); V4 family needs > 0
+    kv_lora_rank: int = 64
+    qk_nope_dim: int = 32
+    qk_rope_dim: int = 16
+    v_head_dim: int = 32
+    # V4 family
+    rope_dim: int = 16  # RoPE on the last rope_dim dims of queries and entries
+    window: int = 16
+    o_groups: int = 1
+    o_lora_rank: int = 64
+    query_norm: bool = True  # V4 RMS-normalises each head's query; V4.1 does not
+    compress_rope_theta: float = 10000.0
+    ratios: tuple[int, ...] = ()  # resolved per-layer compression ratio (0: none)
+    ratio: int = 0  # >0: every compressed layer uses this ratio
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    csa2_ratio: int = 2
+    sharing: bool = True  # False turns every reindex/reuse layer into a full layer
+    ced_split: int = 0  # first decoder layer under CED; 0: decoder-only stack
+    pool_blocks: int = 0  # hierarchical indexer: candidate blocks kept (0: off)
+    pool_block_size: int = 8
+    top_k: int = 8  # entries (tokens for dsa) each query selects through the indexer
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    n_heads: int = 4
+    head_dim: int = 32
+    rope_dim: int = 16
+    key_norm: str = "layernorm"  # DSA: LayerNorm on the key; CSA2: RMSNorm
+    loss_weight: float = 1.0
+    dense_warmup_steps: int = 0
+    impl: str = "auto"
+    interpret: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    local_format: str = "native"  # window / per-token KV (mha, mla)
+    main_format: str = "native"  # compressed entries (and MLA latents)
+    key_format: str = "native"  # indexer search keys
+    page_size: int = 16  # entries per page of the global (paged) cache
+    fake_quant: bool = False  # apply the formats' quantize-dequantize in the training forward
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 8
+    seq_len: int = 128
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib", a text file or glob, or a .u16/.bin file of uint16 tokens
+    val_fraction: float = 0.05
+    max_bytes: int = 8_000_000  # cap on the corpus read (0: no cap)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "unnamed"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    indexer: IndexerConfig = field(default_factory=IndexerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    # Derived views used across the library.
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.attention.layers
+
+    def kind(self, layer: int) -> str:
+        return self.attention.layers[layer]
+
+    def layer_ratio(self, layer: int) -> int:
+        return self.attention.ratios[layer]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        d = self.to_dict()
+        for sec in d.values():
+            if isinstance(sec, dict):
+                for k, v in sec.items():
+                    if isinstance(v, tuple):
+                        sec[k] = list(v)
+        return yaml.safe_dump(d, sort_keys=False)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "name"}
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "attention": AttentionConfig,
+    "indexer": IndexerConfig,
+    "cache": CacheConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+}
+
+
+# ----------------------------------------------------------------------------- short forms
+def expand_pattern(spec, key: str = "pattern") -> list[str]:
+    """Expand ``"swa*2, (csa, hca)*3"`` (or a YAML list of such items) into a flat list."""
+    if isinstance(spec, (list, tuple)):
+        out: list[str] = []
+        for item in spec:
+            out.extend(expand_pattern(str(item), key))
+        return out
+    text = str(spec).strip()
+    if not text:
+        return []
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"{key}: unbalanced ')' in {text!r}")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth != 0:
+        raise ConfigError(f"{key}: unbalanced '(' in {text!r}")
+    items.append(cur)
+    out = []
+    for item in items:
+        item = item.strip()
+        m = re.fullmatch(r"(.+?)\s*\*\s*(\d+)", item, flags=re.S)
+        body, times = (m.group(1).strip(), int(m.group(2))) if m else (item, 1)
+        if body.startswith("(") and body.endswith(")"):
+            inner = expand_pattern(body[1:-1], key)
+        elif body:
+            inner = [body]
+        else:
+            raise ConfigError(f"{key}: empty item in {text!r}")
+        out.extend(inner * times)
+    return out
+
+
+# ----------------------------------------------------------------------------- coercion
+def _coerce(value, typ, key: str):
+    origin = typing.get_origin(typ)
+    if origin is tuple:
+        elem = typing.get_args(typ)[0]
+        items = expand_pattern(value, key) if isinstance(value, (str, list, tuple)) else [value]
+        return tuple(_coerce(_parse_scalar(v), elem, key) for v in items)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _parse_scalar(v):
+    if isinstance(v, str):
+        try:
+            return yaml.safe_load(v)
+        except yaml.YAMLError:
+            return v
+    return v
+
+
+def _build_section(cls, raw: dict, section: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in raw.items():
+        if k not in names:
+            raise ConfigError(
+                f"{section}.{k}: unknown key; valid keys in '{section}' are: {', '.join(names)}"
+            )
+        kwargs[k] = _coerce(v, hints[k], f"{section}.{k}")
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- loading
+def apply_overrides(raw: dict, overrides) -> dict:
+    """Apply ``section.key=value`` strings to a raw config dict (values parsed as YAML)."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for ov in overrides or ():
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r}: expected key=value, e.g. attention.top_k=8")
+        key, value = ov.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if parts == ["name"]:
+            raw["name"] = value
+            continue
+        if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+            raise ConfigError(
+                f"{key}: unknown key; use section.key with section one of "
+                f"{', '.join(_SECTION_CLASSES)}"
+            )
+        raw.setdefault(parts[0], {})
+        if not isinstance(raw[parts[0]], dict):
+            raise ConfigError(f"{parts[0]}: expected a mapping")
+        raw[parts[0]][parts[1]] = _parse_scalar(value)
+    return raw
+
+
+def from_dict(raw: dict, overrides=()) -> Config:
+    raw = apply_overrides(raw or {}, overrides)
+    unknown = set(raw) - set(_SECTION_CLASSES) - {"name"}
+    if unknown:
+        k = sorted(unknown)[0]
+        raise ConfigError(
+            f"{k}: unknown section; valid sections are: name, {', '.join(_SECTION_CLASSES)}"
+        )
+    sections = {}
+    for name, cls in _SECTION_CLASSES.items():
+        sec = raw.get(name) or {}
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {sec!r}")
+        sections[name] = _build_section(cls, sec, name)
+    cfg = Config(name=str(raw.get("name", "unnamed")), **sections)
+    cfg = _resolve(cfg)
+    validate(cfg)
+    return cfg
+
+
+def load(path, overrides=()) -> Config:
+    """Load a YAML preset and apply ``key=value`` overrides."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    raw.setdefault("name", path.stem)
+    return from_dict(raw, overrides)
+
+
+def loads(text: str, overrides=()) -> Config:
+    return from_dict(yaml.safe_load(text) or {}, overrides)
+
+
+# ----------------------------------------------------------------------------- resolution
+def _resolve(cfg: Config) -> Config:
+    """Expand per-layer lists to n_layers entries and compute per-layer ratios."""
+    a, n = cfg.attention, cfg.model.n_layers
+    if n < 1:
+        raise ConfigError(f"model.n_layers: must be >= 1, got {n}")
+    kinds = [KIND_ALIASES.get(k, k) for k in a.layers]
+    for k in kinds:
+        if k not in LAYER_KINDS:
+            raise ConfigError(
+                f"attention.layers: unknown layer kind {k!r}; allowed: "
+                f"{', '.join(LAYER_KINDS + tuple(KIND_ALIASES))}"
+            )
+    if len(kinds) == 1:
+        kinds = kinds * n
+    if len(kinds) != n:
+        raise ConfigError(
+            f"attention.layers: {len(kinds)} layer kinds for model.n_layers={n}"
+        )
+    if not a.sharing:
+        kinds = ["full" if k in ("reindex", "reuse") else k for k in kinds]
+
+    default = {"hca": a.hca_ratio, "csa": a.csa_ratio}
+    for k in ("full", "reindex", "reuse"):
+        default[k] = a.csa2_ratio
+    if a.ratios:
+        ratios = list(a.ratios)
+        if len(ratios) == 1:
+            ratios = ratios * n
+        if len(ratios) != n:
+            raise ConfigError(f"attention.ratios: {len(ratios)} ratios for {n} layers")
+    else:
+        ratios = [default.get(k, 0) for k in kinds]
+    if a.ratio:
+        ratios = [a.ratio if k in COMPRESSED_KINDS else r for k, r in zip(kinds, ratios)]
+    for i, (k, r) in enumerate(zip(kinds, ratios)):
+        if k in COMPRESSED_KINDS and r < 1:
+            raise ConfigError(
+                f"attention.ratios: layer {i} ({k}) needs a compression ratio >= 1, got {r}"
+            )
+        if k not in COMPRESSED_KINDS:
+            ratios[i] = 0
+    a = dataclasses.replace(a, layers=tuple(kinds), ratios=tuple(ratios))
+    return dataclasses.replace(cfg, attention=a)
+
+
+def _positive(value, key):
+    if value < 1:
+        raise ConfigError(f"{key}: must be >= 1, got {value}")
+
+
+def _choice(value, allowed, key):
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of: {', '.join(allowed)}")
+
+
+def validate(cfg: Config) -> None:
+    m, a, ix, c, t, d = cfg.model, cfg.attention, cfg.indexer, cfg.cache, cfg.train, cfg.data
+    for key in ("vocab_size", "d_model", "n_layers", "ffn_hidden", "max_seq_len"):
+        _positive(getattr(m, key), f"model.{key}")
+    _choice(m.dtype, DTYPES, "model.dtype")
+    kinds = set(a.layers)
+
+    _positive(a.n_heads, "attention.n_heads")
+    _positive(a.head_dim, "attention.head_dim")
+    if "mha" in kinds:
+        kv = a.n_kv_heads or a.n_heads
+        if a.n_heads % kv:
+            raise ConfigError(
+                f"attention.n_kv_heads: {kv} must divide attention.n_heads={a.n_heads}"
+            )
+        if a.head_dim % 2:
+            raise ConfigError(f"attention.head_dim: must be even for RoPE, got {a.head_dim}")
+    if kinds & {"mla", "dsa"}:
+        for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+            _positive(getattr(a, key), f"attention.{key}")
+        if a.qk_rope_dim % 2:
+            raise ConfigError(f"attention.qk_rope_dim: must be even, got {a.qk_rope_dim}")
+    if a.q_lora_rank < 0:
+        raise ConfigError(f"attention.q_lora_rank: must be >= 0, got {a.q_lora_rank}")
+    if kinds & set(V4_KINDS):
+        _positive(a.window, "attention.window")
+        _positive(a.q_lora_rank, "attention.q_lora_rank")
+        _positive(a.o_groups, "attention.o_groups")
+        _positive(a.o_lora_rank, "attention.o_lora_rank")
+        if a.n_heads % a.o_groups:
+            raise ConfigError(
+                f"attention.o_groups: {a.o_groups} must divide attention.n_heads={a.n_heads}"
+            )
+        if not 0 < a.rope_dim <= a.head_dim or a.rope_dim % 2:
+            raise ConfigError(
+                f"attention.rope_dim: must be even and in (0, head_dim={a.head_dim}], "
+                f"got {a.rope_dim}"
+            )
+    if a.ced_split < 0 or a.ced_split >= m.n_layers:
+        raise ConfigError(
+            f"attention.ced_split: must be 0 (off) or a layer index in 1..{m.n_layers - 1}, "
+            f"got {a.ced_split}"
+        )
+    if a.pool_blocks < 0:
+        raise ConfigError(f"attention.pool_blocks: must be >= 0, got {a.pool_blocks}")
+    _positive(a.pool_block_size, "attention.pool_block_size")
+    _check_sharing(cfg)
+
+    if kinds & set(INDEXED_KINDS):
+        for key in ("n_heads", "head_dim"):
+            _positive(getattr(ix, key), f"indexer.{key}")
+        _positive(a.top_k, "attention.top_k")
+        if ix.rope_dim < 0 or ix.rope_dim > ix.head_dim or ix.rope_dim % 2:
+            raise ConfigError(
+                f"indexer.rope_dim: must be even and in [0, head_dim={ix.head_dim}], "
+                f"got {ix.rope_dim}"
+            )
+    _choice(ix.key_norm, KEY_NORMS, "indexer.key_norm")
+    _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
+    if ix.dense_warmup_steps < 0:
+        raise ConfigError(f"indexer.dense_warmup_steps: must be >= 0")
+
+    for role in ("local_format", "main_format", "key_format"):
+        _choice(getattr(c, role), CACHE_FORMATS, f"cache.{role}")
+    _positive(c.page_size, "cache.page_size")
+    from dsattn.cache import formats as _formats  # local import: formats imports config
+
+    _formats.validate_roles(cfg)
+
+    for key in ("batch_size", "seq_len", "steps", "eval_every", "eval_batches", "ckpt_every",
+                "keep_checkpoints", "log_every"):
+        _positive(getattr(t, key), f"train.{key}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if d.max_bytes < 0:
+        raise ConfigError(f"data.max_bytes: must be >= 0, got {d.max_bytes}")
+
+
+def _check_sharing(cfg: Config) -> None:
+    """A borrowing layer needs an earlier source in its own half of a CED stack."""
+    a = cfg.attention
+    split = a.ced_split
+    last_full = last_select = None
+    for i, k in enumerate(a.layers):
+        if split and i == split:  # the decoder never borrows from the encoder
+            last_full = last_select = None
+        if k == "full":
+            last_full = last_select = i
+        elif k == "reindex":
+            if last_full is None:
+                raise ConfigError(
+                    f"attention.layers: layer {i} is 'reindex' but no earlier 'full' layer "
+                    f"(in its half of the stack) provides entries to borrow"
+                )
+            if a.ratios[i] != a.ratios[last_full]:
+                raise ConfigError(
+                    f"attention.ratios: layer {i} borrows from layer {last_full} and must "
+                    f"share its ratio ({a.ratios[last_full]}), got {a.ratios[i]}"
+                )
+            last_select = i
+        elif k == "reuse":
+            if last_full is None:
+                raise ConfigError(
+                    f"attention.layers: layer {i} is 'reuse' but no earlier 'full' layer "
+                    f"(in its half of the stack) provides entries to borrow"
+                )
+            if a.ratios[i] != a.ratios[last_full]:
+                raise ConfigError(
+                    f"attention.ratios: layer {i} borrows from layer {last_full} and must "
+                    f"share its ratio ({a.ratios[last_full]}), got {a.ratios[i]}"
+                )
+
+
+def sharing_sources(cfg: Config) -> list[tuple[int | None, int | None]]:
+    """Per layer: (layer whose global KV it reads, layer whose selection it reuses)."""
+    a = cfg.attention
+    out, last_full, last_select = [], None, None
+    for i, k in enumerate(a.layers):
+        if a.ced_split and i == a.ced_split:
+            last_full = last_select = None
+        if k == "full":
+            last_full = last_select = i
+            out.append((i, None))
+        elif k == "reindex":
+            last_select = i
+            out.append((last_full, None))
+        elif k == "reuse":
+            out.append((last_full, last_select))
+        elif k in ("hca", "csa", "mla", "dsa"):
+            out.append((i, None))
+        else:
+            out.append((None, None))
+    return out
