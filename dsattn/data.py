@@ -1,0 +1,292 @@
+"""Data: token corpora and stateless batching for training and evaluation.
+
+The default corpus is the ``.py`` source of the running interpreter's standard library,
+read as bytes (vocab 256), so every experiment works offline and identically on every
+machine with the same Python. User data is a text file or glob (bytes again) or a raw
+little-endian uint16 token file (``.u16``/``.bin``). Validation is split by file (a stable
+CRC32 of each file's relative path), or by a contiguous tail when there is only one file,
+so no text ever appears on both sides. ``batch_at`` draws the batch of step ``i`` from
+``default_rng([seed, i])``: batches are a pure function of (seed, step), so a resumed run
+sees exactly the batches an uninterrupted one would, with no iterator state to save.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob as _glob
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dsattn.config import DataConfig
+
+TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
+FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
+_HASH_BUCKETS = 10_000
+_EVAL_SEED_BASE = 2**32  # eval batches use seed + this: never a training (seed, step) stream
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # 1-D int32 (byte sources) or uint16 (token files), read-only
+    val: np.ndarray
+    vocab_size: int  # the model vocab the tokens were checked against (all tokens < it)
+    description: str
+
+
+# ----------------------------------------------------------------------------- byte codec
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes as int32 tokens: the tokenizer of every byte-level corpus."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def decode(tokens) -> str:
+    """Inverse of `encode`; invalid UTF-8 (e.g. a sample cut mid-character) becomes U+FFFD."""
+    arr = np.asarray(tokens).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() > 255):
+        raise ValueError(f"decode: byte tokens must be in [0, 255], got {arr.min()}..{arr.max()}")
+    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------- splitting
+def is_val_file(relpath: str, val_fraction: float) -> bool:
+    """Stable by-file split: depends only on the path, so it never moves between runs."""
+    bucket = zlib.crc32(relpath.replace(os.sep, "/").encode("utf-8")) % _HASH_BUCKETS
+    return bucket < val_fraction * _HASH_BUCKETS
+
+
+def split_files(relpaths, val_fraction: float) -> tuple[list[str], list[str]]:
+    """(train, val) relative paths, each in the given order."""
+    train, val = [], []
+    for r in relpaths:
+        (val if is_val_file(r, val_fraction) else train).append(r)
+    return train, val
+
+
+def _budgets(max_bytes: int, val_fraction: float) -> tuple[int | None, int | None]:
+    """Cap train and val separately in proportion, so a small cap still leaves validation."""
+    if not max_bytes:
+        return None, None
+    val = max(1, round(max_bytes * val_fraction))
+    return max(1, max_bytes - val), val
+
+
+def _tail_split_len(n: int, val_fraction: float, what: str) -> int:
+    """Validation length of a contiguous tail split: round(n * val_fraction), in [1, n-1]."""
+    if n < 2:
+        raise ValueError(f"{what}: {n} token(s) is too few to split into train and validation")
+    return min(max(1, round(n * val_fraction)), n - 1)
+
+
+def _read_joined(paths, budget: int | None) -> tuple[bytes, int]:
+    """Files joined by FILE_SEPARATOR in order, cut at `budget` bytes; reading stops there.
+
+    Returns (bytes, number of files that contributed).
+    """
+    parts, total, used = [], 0, 0
+    for p in paths:
+        if parts:
+            parts.append(FILE_SEPARATOR)
+            total += len(FILE_SEPARATOR)
+        if budget is not None and total >= budget:
+            break
+        with open(p, "rb") as f:
+            data = f.read() if budget is None else f.read(budget - total)
+        parts.append(data)
+        total += len(data)
+        used += 1
+    out = b"".join(parts)
+    return (out if budget is None else out[:budget]), used
+
+
+def _bytes_to_tokens(data: bytes) -> np.ndarray:
+    arr = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+    arr.flags.writeable = False
+    return arr
+
+
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """Out-of-range ids would be silently clamped by a JAX embedding gather: refuse them."""
+    if tokens.size:
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"{what}: max token {top} is out of range for model vocab_size {vocab_size}"
+            )
+
+
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f} MB"
+
+
+def _split_byte_files(root: Path, relpaths, val_fraction: float, max_bytes: int, name: str):
+    """Train/val token arrays from many files, split by file; the tail fallback keeps a
+    split non-empty when the hash happens to put every file on one side."""
+    train_rel, val_rel = split_files(relpaths, val_fraction)
+    if not train_rel or not val_rel:
+        data, used = _read_joined([root / r for r in relpaths], max_bytes or None)
+        n_val = _tail_split_len(len(data), val_fraction, name)
+        desc = (f"{name}: {used} files, {_mb(len(data))}, "
+                f"last {n_val} bytes as validation (by-file split left one side empty)")
+        return _bytes_to_tokens(data[:-n_val]), _bytes_to_tokens(data[-n_val:]), desc
+    b_train, b_val = _budgets(max_bytes, val_fraction)
+    train, n_tr = _read_joined([root / r for r in train_rel], b_train)
+    val, n_va = _read_joined([root / r for r in val_rel], b_val)
+    capped = bool(max_bytes) and (n_tr < len(train_rel) or n_va < len(val_rel)
+                                  or len(train) == b_train or len(val) == b_val)
+    desc = (f"{name}: {n_tr + n_va} files ({n_tr} train, {n_va} val), "
+            f"{_mb(len(train) + len(val))}" + (" (capped by data.max_bytes)" if capped else ""))
+    return _bytes_to_tokens(train), _bytes_to_tokens(val), desc
+
+
+# ----------------------------------------------------------------------------- stdlib corpus
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_files() -> tuple[str, ...]:
+    """Relative posix paths of the stdlib's .py files (no site-packages), sorted."""
+    root = _stdlib_root()
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__")]
+        for f in files:
+            if f.endswith(".py"):
+                out.append(Path(os.path.relpath(os.path.join(d, f), root)).as_posix())
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=8)
+def _stdlib_corpus(val_fraction: float, max_bytes: int):
+    """Cached: tests and the trainer load it repeatedly; the arrays are read-only."""
+    files = _stdlib_files()
+    if not files:
+        raise ValueError(f"stdlib corpus: no .py files under {_stdlib_root()}")
+    return _split_byte_files(_stdlib_root(), files, val_fraction, max_bytes, "stdlib")
+
+
+# ----------------------------------------------------------------------------- user sources
+def _match(source: str) -> list[Path]:
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        raise ValueError(f"data.source {source!r} is a directory; give a file or a glob "
+                         f"such as {os.path.join(source, '*.txt')!r}")
+    matches = sorted(p for p in _glob.glob(path, recursive=True) if os.path.isfile(p))
+    if not matches:
+        raise FileNotFoundError(f"data.source {source!r} matches no file "
+                                f"(expected 'stdlib', a text file or glob, or a .u16/.bin file)")
+    return [Path(p) for p in matches]
+
+
+def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
+    """uint16 tokens, memory-mapped when there is one file; the tail is validation."""
+    arrays = []
+    for p in paths:
+        size = p.stat().st_size
+        if size % 2:
+            raise ValueError(f"{p}: {size} bytes is not a whole number of uint16 tokens")
+        arr = np.memmap(p, dtype="<u2", mode="r") if size else np.zeros(0, np.uint16)
+        _check_vocab(arr, vocab_size, str(p))
+        arrays.append(arr)
+    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    total = len(tokens)
+    if data_cfg.max_bytes:
+        tokens = tokens[: data_cfg.max_bytes // 2]
+    name = str(paths[0]) if len(paths) == 1 else f"{len(paths)} token files"
+    if not len(tokens):
+        raise ValueError(f"{name}: empty corpus (no tokens)")
+    n_val = _tail_split_len(len(tokens), data_cfg.val_fraction, name)
+    train, val = tokens[:-n_val], tokens[-n_val:]
+    for a in (train, val):
+        a.flags.writeable = False
+    capped = f" of {total:,} (capped by data.max_bytes)" if len(tokens) < total else ""
+    desc = f"{name}: {len(tokens):,} uint16 tokens{capped}, last {n_val:,} as validation"
+    return train, val, desc
+
+
+def _load_text_files(paths: list[Path], data_cfg: DataConfig):
+    if len(paths) == 1:
+        p = paths[0]
+        data, _ = _read_joined([p], data_cfg.max_bytes or None)
+        if not data:
+            raise ValueError(f"{p}: empty corpus (0 bytes)")
+        n_val = _tail_split_len(len(data), data_cfg.val_fraction, str(p))
+        desc = f"{p}: {_mb(len(data))}, last {n_val:,} bytes as validation"
+        return _bytes_to_tokens(data[:-n_val]), _bytes_to_tokens(data[-n_val:]), desc
+    # Hash paths relative to the matches' common folder: the split survives a change of cwd.
+    root = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
+    rel = [p.resolve().relative_to(root).as_posix() for p in paths]
+    if sum(p.stat().st_size for p in paths) == 0:
+        raise ValueError(f"{data_cfg.source!r}: empty corpus ({len(paths)} files, 0 bytes)")
+    return _split_byte_files(root, rel, data_cfg.val_fraction, data_cfg.max_bytes,
+                             repr(data_cfg.source))
+
+
+# ----------------------------------------------------------------------------- public API
+def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
+    if data_cfg.source == "stdlib":
+        train, val, desc = _stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes)
+        what = "stdlib corpus"
+    else:
+        paths = _match(data_cfg.source)
+        is_tok = [p.suffix.lower() in TOKEN_SUFFIXES for p in paths]
+        if any(is_tok) and not all(is_tok):
+            raise ValueError(f"data.source {data_cfg.source!r} mixes token files "
+                             f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
+        if all(is_tok):
+            train, val, desc = _load_token_files(paths, data_cfg, vocab_size)
+            return Corpus(train, val, vocab_size, desc)  # vocab checked per file already
+        train, val, desc = _load_text_files(paths, data_cfg)
+        what = f"data.source {data_cfg.source!r}"
+    if not len(train) or not len(val):
+        raise ValueError(f"{what}: empty corpus (train {len(train)}, val {len(val)} tokens)")
+    _check_vocab(train, vocab_size, what)
+    _check_vocab(val, vocab_size, what)
+    return Corpus(train, val, vocab_size, desc)
+
+
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> dict:
+    """Batch of step `step`: random windows from ``default_rng([seed, step])``.
+
+    A pure function of (seed, step), so resuming needs no data-iterator state.
+    """
+    n = len(tokens)
+    if n < seq_len + 1:
+        raise ValueError(f"batch_at: {n} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    if seed < 0 or step < 0:
+        raise ValueError(f"batch_at: seed and step must be >= 0, got seed={seed}, step={step}")
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, n - seq_len, size=batch_size)  # last start is n - seq_len - 1
+    window = np.asarray(tokens)[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+def eval_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int,
+                 seed: int = 0) -> list[dict]:
+    """Fixed validation batches: the same every eval, so losses are comparable over a run."""
+    return [batch_at(tokens, i, batch_size, seq_len, _EVAL_SEED_BASE + seed)
+            for i in range(n_batches)]
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
+    tokens = np.asarray(tokens).reshape(-1)
+    if not tokens.size:
+        raise ValueError("unigram_entropy: no tokens")
+    counts = np.bincount(tokens, minlength=vocab_size)
+    if len(counts) > vocab_size:
+        raise ValueError(
+            f"unigram_entropy: max token {int(tokens.max())} >= vocab_size {vocab_size}"
+        )
+    p = counts[counts > 0] / tokens.size
+    return float(-(p * np.log(p)).sum())
+
+
+__all__ = ["Corpus", "load_corpus", "batch_at", "eval_batches", "unigram_entropy",
+           "encode", "decode", "split_files", "is_val_file", "TOKEN_SUFFIXES"]

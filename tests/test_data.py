@@ -1,0 +1,197 @@
+"""Tests for dsattn.data: corpora, by-file splits, caps, stateless batches, entropy, codec."""
+
+import math
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsattn import data
+from dsattn.config import DataConfig
+
+SMALL = 200_000  # stdlib cap used by the tests: keeps them fast
+
+
+def _crc_val(rel: str, frac: float) -> bool:
+    return zlib.crc32(rel.encode()) % 10_000 < frac * 10_000
+
+
+# ----------------------------------------------------------------------------- stdlib
+def test_stdlib_files_sorted_py_without_site_packages():
+    files = data._stdlib_files()
+    assert len(files) > 100
+    assert list(files) == sorted(files)
+    assert all(f.endswith(".py") and "site-packages" not in f.split("/") for f in files)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert (root / "os.py").is_file() and "os.py" in files
+
+
+def test_stdlib_split_is_by_file_disjoint_and_matches_crc():
+    files = data._stdlib_files()
+    train, val = data.split_files(files, 0.05)
+    assert set(train).isdisjoint(val)
+    assert sorted(train + val) == sorted(files)
+    assert val == [f for f in files if _crc_val(f, 0.05)]
+    assert 0.02 < len(val) / len(files) < 0.10
+
+
+def test_stdlib_corpus_contents_and_cap():
+    cfg = DataConfig(source="stdlib", val_fraction=0.05, max_bytes=SMALL)
+    c = data.load_corpus(cfg, 256)
+    assert c.train.dtype == np.int32 and c.train.ndim == 1 and c.vocab_size == 256
+    n_val = round(SMALL * 0.05)
+    assert len(c.val) == n_val and len(c.train) == SMALL - n_val  # cap binds, split in proportion
+    assert "stdlib" in c.description
+    # Independent expectation: each split is its files, in sorted order, joined by b"\n".
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = data._stdlib_files()
+    for arr, want_val in ((c.train, False), (c.val, True)):
+        chosen = [f for f in files if _crc_val(f, 0.05) == want_val]
+        expected, total = [], 0
+        for f in chosen:
+            expected.append((root / f).read_bytes())
+            total += len(expected[-1]) + 1
+            if total > len(arr):
+                break
+        assert bytes(arr.astype(np.uint8)) == b"\n".join(expected)[: len(arr)]
+
+
+def test_stdlib_corpus_deterministic_and_cached():
+    cfg = DataConfig(max_bytes=SMALL)
+    a = data.load_corpus(cfg, 256)
+    b = data.load_corpus(cfg, 256)
+    assert a.train is b.train  # in-process cache
+    fresh = data._stdlib_corpus.__wrapped__(cfg.val_fraction, cfg.max_bytes)
+    np.testing.assert_array_equal(fresh[0], a.train)
+    np.testing.assert_array_equal(fresh[1], a.val)
+    assert not a.train.flags.writeable  # the cached arrays cannot be corrupted by a caller
+
+
+def test_stdlib_vocab_too_small_raises():
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        data.load_corpus(DataConfig(max_bytes=SMALL), 100)
+
+
+# ----------------------------------------------------------------------------- batching
+def test_batch_at_windows_match_source_and_are_reproducible():
+    tokens = np.arange(5000, dtype=np.uint16)  # distinct values: a window reveals its start
+    b = data.batch_at(tokens, step=3, batch_size=6, seq_len=32, seed=7)
+    assert b["inputs"].shape == b["targets"].shape == (6, 32)
+    assert b["inputs"].dtype == b["targets"].dtype == np.int32
+    for row_in, row_tg in zip(b["inputs"], b["targets"]):
+        s = int(row_in[0])
+        np.testing.assert_array_equal(row_in, tokens[s : s + 32])
+        np.testing.assert_array_equal(row_tg, tokens[s + 1 : s + 33])
+    again = data.batch_at(tokens, step=3, batch_size=6, seq_len=32, seed=7)
+    np.testing.assert_array_equal(again["inputs"], b["inputs"])
+    other_step = data.batch_at(tokens, step=4, batch_size=6, seq_len=32, seed=7)
+    other_seed = data.batch_at(tokens, step=3, batch_size=6, seq_len=32, seed=8)
+    assert not np.array_equal(other_step["inputs"], b["inputs"])
+    assert not np.array_equal(other_seed["inputs"], b["inputs"])
+
+
+def test_batch_at_edges():
+    tokens = np.arange(33, dtype=np.int32)
+    b = data.batch_at(tokens, 0, 4, 32, 0)  # exactly seq_len + 1 tokens: the one window
+    np.testing.assert_array_equal(b["inputs"], np.tile(tokens[:32], (4, 1)))
+    np.testing.assert_array_equal(b["targets"], np.tile(tokens[1:], (4, 1)))
+    with pytest.raises(ValueError, match="shorter"):
+        data.batch_at(tokens, 0, 4, 33, 0)
+    # Windows stay in bounds and reach both ends over many steps.
+    t = np.arange(50, dtype=np.int32)
+    starts = np.concatenate([data.batch_at(t, i, 8, 10, 1)["inputs"][:, 0] for i in range(200)])
+    assert starts.min() == 0 and starts.max() == 50 - 11
+
+
+def test_eval_batches_fixed_and_distinct_from_training():
+    tokens = np.arange(10_000, dtype=np.int32)
+    e1 = data.eval_batches(tokens, 3, 4, 16)
+    e2 = data.eval_batches(tokens, 3, 4, 16)
+    assert len(e1) == 3
+    for x, y in zip(e1, e2):
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    train0 = data.batch_at(tokens, 0, 4, 16, 0)
+    assert not np.array_equal(e1[0]["inputs"], train0["inputs"])
+    assert not np.array_equal(e1[0]["inputs"], e1[1]["inputs"])
+
+
+# ----------------------------------------------------------------------------- user sources
+def test_single_text_file_tail_split_exact(tmp_path):
+    payload = bytes(range(256)) * 4  # 1024 bytes
+    f = tmp_path / "one.txt"
+    f.write_bytes(payload)
+    c = data.load_corpus(DataConfig(source=str(f), val_fraction=0.25, max_bytes=0), 256)
+    assert len(c.val) == 256 and len(c.train) == 768
+    assert bytes(c.train.astype(np.uint8)) == payload[:768]
+    assert bytes(c.val.astype(np.uint8)) == payload[768:]
+    capped = data.load_corpus(DataConfig(source=str(f), val_fraction=0.1, max_bytes=500), 256)
+    assert len(capped.train) == 450 and len(capped.val) == 50
+    assert bytes(capped.val.astype(np.uint8)) == payload[450:500]
+
+
+def test_glob_text_files_split_by_file(tmp_path):
+    names = [f"doc{i:02d}.txt" for i in range(30)]
+    for i, n in enumerate(names):
+        (tmp_path / n).write_text(f"<{n}>" + "x" * i)
+    frac = 0.3
+    want_val = [n for n in names if _crc_val(n, frac)]
+    want_train = [n for n in names if not _crc_val(n, frac)]
+    assert want_val and want_train  # precondition of this test
+    c = data.load_corpus(DataConfig(source=str(tmp_path / "*.txt"), val_fraction=frac,
+                                    max_bytes=0), 256)
+    join = lambda ns: "\n".join((tmp_path / n).read_text() for n in ns)  # noqa: E731
+    assert data.decode(c.train) == join(want_train)
+    assert data.decode(c.val) == join(want_val)
+
+
+def test_uint16_token_file_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, size=2000).astype("<u2")
+    f = tmp_path / "toks.u16"
+    tokens.tofile(f)
+    c = data.load_corpus(DataConfig(source=str(f), val_fraction=0.1, max_bytes=0), 1000)
+    assert c.train.dtype == np.uint16 and c.vocab_size == 1000
+    assert len(c.val) == 200
+    np.testing.assert_array_equal(np.concatenate([c.train, c.val]), tokens)
+    np.testing.assert_array_equal(c.val, tokens[-200:])
+    b = data.batch_at(c.train, 0, 2, 8, 0)
+    assert b["inputs"].dtype == np.int32
+    capped = data.load_corpus(DataConfig(source=str(f), val_fraction=0.1, max_bytes=1000), 1000)
+    np.testing.assert_array_equal(np.concatenate([capped.train, capped.val]), tokens[:500])
+
+
+def test_token_file_out_of_vocab_raises(tmp_path):
+    f = tmp_path / "bad.bin"
+    np.array([1, 2, 300, 4], dtype="<u2").tofile(f)
+    with pytest.raises(ValueError, match=r"bad\.bin.*300.*256"):
+        data.load_corpus(DataConfig(source=str(f), max_bytes=0), 256)
+
+
+def test_missing_source_and_empty_corpus(tmp_path):
+    src = str(tmp_path / "nothing_here" / "*.txt")
+    with pytest.raises(FileNotFoundError, match="nothing_here"):
+        data.load_corpus(DataConfig(source=src), 256)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        data.load_corpus(DataConfig(source=str(empty)), 256)
+
+
+# ----------------------------------------------------------------------------- entropy, codec
+def test_unigram_entropy():
+    assert data.unigram_entropy(np.array([0, 1, 2, 3] * 25), 256) == pytest.approx(math.log(4))
+    assert data.unigram_entropy(np.full(100, 7), 256) == 0.0
+    p = np.array([0.5, 0.25, 0.25])
+    toks = np.array([0, 0, 1, 2])
+    assert data.unigram_entropy(toks, 3) == pytest.approx(-(p * np.log(p)).sum())
+
+
+def test_encode_decode_round_trip():
+    text = "héllo, wörld — 日本語 🙂\n\ttabs"
+    toks = data.encode(text)
+    assert toks.dtype == np.int32
+    np.testing.assert_array_equal(toks, np.frombuffer(text.encode("utf-8"), np.uint8))
+    assert data.decode(toks) == text
+    assert data.decode(toks[:2]) == "h\ufffd"  # cut mid-character: replaced, not an error
