@@ -1,4 +1,4 @@
-"""Deployed cache formats: byte layouts, and which role may use which format.
+"""Deployed cache formats: byte layouts, encode/decode, and which role may use which format.
 
 Each format stores one vector of width ``w`` whose last ``r`` dims carry RoPE. Byte counts
 per vector follow seed 000 and REFERENCE.md §4:
@@ -12,12 +12,48 @@ per vector follow seed 000 and REFERENCE.md §4:
     fp8_ue8m0            w FP8 + one UE8M0 per 32                               (528 at 512)
     fp4_ue8m0            w/2 (E2M1 packed) + one UE8M0 per 32                   (68 at 128)
     fp4_e4m3             w/2 (E2M1 packed) + one E4M3 per 16                    (288 at 512)
+
+Stored arrays (``encode`` output; leading dims are whatever the input had):
+
+    native               {"v": x}
+    bf16                 {"v": bf16 [..., w]}
+    fp8_ds_mla           {"q": e4m3 [..., w-r], "scale": f32 [..., (w-r)/128], "rope": bf16 [..., r]}
+    fp8_fp32             {"q": e4m3 [..., w],   "scale": f32 [..., w/128]}
+    fp8_ue8m0_rope_bf16  {"q": e4m3 [..., w-r], "scale": e8m0 [..., ceil((w-r)/64 / 8)*8],
+                          "rope": bf16 [..., r]}            (trailing pad scale bytes are 0x00)
+    fp8_ue8m0            {"q": e4m3 [..., w],   "scale": e8m0 [..., w/32]}
+    fp4_ue8m0            {"q": uint8 [..., w/2], "scale": e8m0 [..., w/32]}
+    fp4_e4m3             {"q": uint8 [..., w/2], "scale": e4m3 [..., w/16]}
+
+e4m3 = ``jnp.float8_e4m3fn``, e8m0 = ``jnp.float8_e8m0fnu`` (one byte = the biased exponent,
+value 2^(byte-127)). FP4 bytes hold two E2M1 codes, the EVEN index in the LOW nibble
+(sglang V41_FP4 layout). The summed ``nbytes`` per vector equals ``bytes_per_vector``.
+
+Quantization (DeepSeek act_quant, REFERENCE §1.4/§2.3/§3.3), per scale block, in float32:
+    amax = max(max|x|, floor)        floor 1e-4 (FP8), 6·2^-126 (FP4/UE8M0), 6·2^-9 (FP4/E4M3)
+    s    = amax / qmax               qmax 448 (E4M3) or 6 (E2M1)
+    UE8M0 and both FP32-scale FP8 formats: s = 2^ceil(log2 s) (V3.2 runs act_quant with
+    scale_fmt="ue8m0"; FlashMLA's 656 B layout stores those power-of-two scales as FP32).
+    E4M3 scale (NVFP4-like): s clamped to ≤ 448, rounded to E4M3, bumped one E4M3 step up when
+    rounding went below s, so 6·s >= amax and nothing is clipped.
+    q = round_to_nearest_even(clip(x / s, ±qmax)) in E4M3 / E2M1.
+Representable block ranges without saturation: fp4_e4m3 needs block amax <= 6·448 = 2688 (no
+per-tensor scale in the 288 B layout); below 6·2^-9 the scale floor limits resolution.
+
+All functions are pure jnp, traceable under jit (format names and rope widths are static), and
+avoid float4/e8m0 arithmetic conversions: E2M1 codes and E8M0 bytes are computed with integer
+and float32 arithmetic (bit-identical to ``astype(float4_e2m1fn)`` / ``astype(float8_e8m0fnu)``,
+checked in tests/test_formats.py), so they lower on any backend and inside Pallas kernels.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from dsattn.config import ConfigError
 
@@ -27,27 +63,51 @@ class FormatSpec:
     name: str
     block: int  # channels per scale (0: no scale)
     needs_rope_split: bool  # keeps the last r dims apart (in BF16)
+    elem: str = ""  # "": not quantized; "fp8": E4M3; "fp4": E2M1 packed two per byte
+    scale: str = ""  # stored scale type: "f32", "ue8m0" or "e4m3"
+    pow2: bool = False  # scale rounded up to a power of two
+    amax_floor: float = 0.0  # lower clamp on the block amax
+    scale_align: int = 1  # number of stored scales padded up to a multiple of this
 
 
 FORMATS = {
     "native": FormatSpec("native", 0, False),
     "bf16": FormatSpec("bf16", 0, False),
-    "fp8_ds_mla": FormatSpec("fp8_ds_mla", 128, True),
-    "fp8_fp32": FormatSpec("fp8_fp32", 128, False),
-    "fp8_ue8m0_rope_bf16": FormatSpec("fp8_ue8m0_rope_bf16", 64, True),
-    "fp8_ue8m0": FormatSpec("fp8_ue8m0", 32, False),
-    "fp4_ue8m0": FormatSpec("fp4_ue8m0", 32, False),
-    "fp4_e4m3": FormatSpec("fp4_e4m3", 16, False),
+    "fp8_ds_mla": FormatSpec("fp8_ds_mla", 128, True, "fp8", "f32", True, 1e-4),
+    "fp8_fp32": FormatSpec("fp8_fp32", 128, False, "fp8", "f32", True, 1e-4),
+    "fp8_ue8m0_rope_bf16": FormatSpec("fp8_ue8m0_rope_bf16", 64, True, "fp8", "ue8m0", True,
+                                      1e-4, 8),
+    "fp8_ue8m0": FormatSpec("fp8_ue8m0", 32, False, "fp8", "ue8m0", True, 1e-4),
+    "fp4_ue8m0": FormatSpec("fp4_ue8m0", 32, False, "fp4", "ue8m0", True, 6 * 2.0**-126),
+    "fp4_e4m3": FormatSpec("fp4_e4m3", 16, False, "fp4", "e4m3", False, 6 * 2.0**-9),
 }
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
 
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
-def bytes_per_vector(fmt: str, width: int, rope: int = 0, native_dtype: str = "float32") -> float:
+def _itemsize(dtype) -> int:
+    if isinstance(dtype, str) and dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    return np.dtype(jnp.dtype(dtype)).itemsize
+
+
+def spec(fmt: str) -> FormatSpec:
+    """The FormatSpec of ``fmt``; ConfigError for an unknown name."""
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"unknown cache format {fmt!r}; allowed: {', '.join(FORMATS)}") from None
+
+
+def bytes_per_vector(fmt: str, width: int, rope: int = 0, native_dtype="float32") -> float:
     """Bytes one stored vector of ``width`` dims (last ``rope`` of them rotary) takes."""
     w, r = width, rope
     if fmt == "native":
-        return w * _ITEMSIZE[native_dtype]
+        return w * _itemsize(native_dtype)
     if fmt == "bf16":
         return 2 * w
     if fmt == "fp8_ds_mla":
@@ -113,3 +173,208 @@ def validate_roles(cfg) -> None:
         fmt = getattr(cfg.cache, role)
         for width, rope in shapes:
             check_width(fmt, width, rope, f"cache.{role}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Element and scale codecs (pure jnp, float32 in / out)
+
+
+def e2m1_codes(y: jax.Array) -> jax.Array:
+    """4-bit E2M1 codes (uint8 0..15) of float32 ``y`` (|y| <= 6), round-to-nearest-even.
+
+    E2M1 magnitudes are 0, .5, 1, 1.5 (step .5 below 2), 2, 3 (step 1 below 4), 4, 6 (step 2),
+    codes 0..7 in that order, bit 3 = sign. Rounding |y|/step with round-half-even picks the
+    code of even mantissa on ties, which is what a float4_e2m1fn cast does. NaN is undefined.
+    """
+    a = jnp.abs(y)
+    k = jnp.where(a < 2.0, jnp.round(a * 2.0),
+                  jnp.where(a < 4.0, jnp.round(a) + 2.0, jnp.round(a * 0.5) + 4.0))
+    k = jnp.minimum(k, 7.0).astype(jnp.uint8)
+    sign = jnp.signbit(y).astype(jnp.uint8)
+    return k | (sign << 3)
+
+
+def e2m1_values(codes: jax.Array) -> jax.Array:
+    """float32 values of 4-bit E2M1 codes (any integer dtype, low 4 bits used)."""
+    c = codes.astype(jnp.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(jnp.float32)
+    pow2e = jnp.left_shift(1, e).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (2.0 + m) * pow2e * 0.25)
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: jax.Array) -> jax.Array:
+    """[..., 2n] codes -> [..., n] uint8; element 2i in the low nibble, 2i+1 in the high."""
+    c = codes.astype(jnp.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+    return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
+
+
+def unpack_fp4(packed: jax.Array) -> jax.Array:
+    """[..., n] uint8 -> [..., 2n] uint8 codes (inverse of pack_fp4)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+
+
+def _ceil_pow2(s: jax.Array) -> jax.Array:
+    """2^ceil(log2 s) for positive normal float32 ``s``, exact (bit arithmetic, no log2)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+    exp = bits >> 23
+    exp = exp + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(exp << 23, jnp.float32)
+
+
+def pow2_to_e8m0(s: jax.Array) -> jax.Array:
+    """Positive power-of-two float32 -> float8_e8m0fnu (byte = float32 biased exponent)."""
+    byte = (jax.lax.bitcast_convert_type(s, jnp.uint32) >> 23).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+
+def e8m0_to_f32(e: jax.Array) -> jax.Array:
+    """float8_e8m0fnu (or its uint8 byte) -> float32 2^(byte-127).
+
+    Byte 0 (2^-127, below float32's normal range; only padding and empty slots hold it) decodes
+    to 0.0 and 0xFF (NaN) to inf; quantization never produces either.
+    """
+    if e.dtype != jnp.uint8:
+        e = jax.lax.bitcast_convert_type(e, jnp.uint8)
+    return jax.lax.bitcast_convert_type(e.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _e4m3_round_up(s: jax.Array) -> jax.Array:
+    """Smallest E4M3 value >= s for 0 < s <= 448 (float32 in, float8_e4m3fn out)."""
+    c = s.astype(jnp.float8_e4m3fn)
+    bits = jax.lax.bitcast_convert_type(c, jnp.uint8)
+    up = jax.lax.bitcast_convert_type(bits + jnp.uint8(1), jnp.float8_e4m3fn)
+    return jnp.where(c.astype(jnp.float32) < s, up, c)
+
+
+def _blocked(x: jax.Array, block: int) -> jax.Array:
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+def _quantize(sp: FormatSpec, x: jax.Array) -> dict[str, jax.Array]:
+    """Block-quantize float32 ``x`` [..., n] -> {"q", "scale"} as stored by ``sp``."""
+    qmax = E4M3_MAX if sp.elem == "fp8" else E2M1_MAX
+    xb = _blocked(x, sp.block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), jnp.float32(sp.amax_floor))
+    s = amax / qmax
+    if sp.pow2:
+        s = _ceil_pow2(s)
+    if sp.scale == "e4m3":
+        stored_scale = _e4m3_round_up(jnp.minimum(s, E4M3_MAX))
+        s = stored_scale.astype(jnp.float32)
+    elif sp.scale == "ue8m0":
+        stored_scale = pow2_to_e8m0(s)
+        pad = -stored_scale.shape[-1] % sp.scale_align
+        if pad:
+            zeros = jnp.zeros(stored_scale.shape[:-1] + (pad,), jnp.uint8)
+            stored_scale = jnp.concatenate(
+                [stored_scale, jax.lax.bitcast_convert_type(zeros, jnp.float8_e8m0fnu)], -1)
+    else:
+        stored_scale = s
+    y = jnp.clip(xb / s[..., None], -qmax, qmax).reshape(x.shape)
+    if sp.elem == "fp8":
+        q = y.astype(jnp.float8_e4m3fn)
+    else:
+        q = pack_fp4(e2m1_codes(y))
+    return {"q": q, "scale": stored_scale}
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
+    """Store ``x`` [..., w] (last ``rope`` dims rotary) in format ``fmt``.
+
+    Returns the dict of stored arrays (see the module docstring). Quantization math runs in
+    float32 whatever the input dtype; rotary dims of *_rope formats are rounded once to BF16.
+    ``rope`` only matters for formats that keep the rotary dims apart.
+    """
+    sp = spec(fmt)
+    x = jnp.asarray(x)
+    w = x.shape[-1]
+    check_width(fmt, w, rope, "encode")
+    if fmt == "native":
+        return {"v": x}
+    if fmt == "bf16":
+        return {"v": x.astype(jnp.bfloat16)}
+    out = {}
+    body = x
+    if sp.needs_rope_split:
+        body = x[..., : w - rope]
+        out["rope"] = x[..., w - rope:].astype(jnp.bfloat16)
+    out.update(_quantize(sp, body.astype(jnp.float32)))
+    return out
+
+
+def block_scales(fmt: str, stored: dict[str, jax.Array]) -> jax.Array:
+    """Per-block dequantization scales as float32 [..., n_blocks] (padding dropped)."""
+    sp = spec(fmt)
+    if not sp.block:
+        raise ConfigError(f"cache format {fmt!r} has no scales")
+    n_q = stored["q"].shape[-1] * (2 if sp.elem == "fp4" else 1)
+    n_blocks = n_q // sp.block
+    sc = stored["scale"][..., :n_blocks]
+    if sp.scale == "ue8m0":
+        return e8m0_to_f32(sc)
+    return sc.astype(jnp.float32)
+
+
+def decode(fmt: str, stored: dict[str, jax.Array], dtype=jnp.float32) -> jax.Array:
+    """Stored arrays of ``fmt`` -> values [..., w] in ``dtype`` (rotary dims last)."""
+    sp = spec(fmt)
+    dtype = jnp.dtype(dtype)
+    if not sp.block:
+        return stored["v"].astype(dtype)
+    q = stored["q"]
+    if sp.elem == "fp8":
+        vals = q.astype(jnp.float32)
+    else:
+        vals = e2m1_values(unpack_fp4(q))
+    s = block_scales(fmt, stored)
+    vals = (_blocked(vals, sp.block) * s[..., None]).reshape(vals.shape)
+    if sp.needs_rope_split:
+        vals = jnp.concatenate([vals, stored["rope"].astype(jnp.float32)], axis=-1)
+    return vals.astype(dtype)
+
+
+def quantize_dequantize(fmt: str, x: jax.Array, rope: int = 0) -> jax.Array:
+    """decode(encode(x)) in x.dtype with a straight-through gradient (fake quant).
+
+    The forward value is exactly decode(encode(x)) (written as sg(qdq) + (x - sg(x)), where
+    x - x is exactly 0, rather than x + sg(qdq - x), which can round); d/dx is the identity.
+    """
+    x = jnp.asarray(x)
+    if fmt == "native":
+        check_width(fmt, x.shape[-1], rope, "quantize_dequantize")
+        return x
+    y = decode(fmt, encode(fmt, x, rope), x.dtype)
+    return jax.lax.stop_gradient(y) + (x - jax.lax.stop_gradient(x))
+
+
+def abstract(fmt: str, shape_prefix, width: int, rope: int = 0,
+             dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of ``encode(fmt, x[*shape_prefix, width], rope)``."""
+    spec(fmt)
+    proto = jax.ShapeDtypeStruct(tuple(shape_prefix) + (width,), jnp.dtype(dtype))
+    return jax.eval_shape(lambda v: encode(fmt, v, rope), proto)
+
+
+def empty(fmt: str, shape_prefix, width: int, rope: int = 0,
+          dtype=jnp.float32) -> dict[str, jax.Array]:
+    """Zero storage for ``shape_prefix`` vectors: every byte 0x00, which decodes to 0.0.
+
+    (``jnp.zeros(..., float8_e8m0fnu)`` would be NaN, since E8M0 has no zero; the all-zero byte
+    is 2^-127 there and decodes to 0, and its q values are 0 anyway.)
+    """
+    out = {}
+    for name, sds in abstract(fmt, shape_prefix, width, rope, dtype).items():
+        if sds.dtype.itemsize == 1 and sds.dtype != jnp.uint8:
+            z = jnp.zeros(sds.shape, jnp.uint8)
+            out[name] = jax.lax.bitcast_convert_type(z, sds.dtype)
+        else:
+            out[name] = jnp.zeros(sds.shape, sds.dtype)
+    return out

@@ -1,0 +1,117 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, seed 001, REFERENCE.md §1.2).
+
+The cache keeps one latent C^KV (kv_lora_rank dims, RMS-normed) and one rotary key K^R
+(qk_rope_dim dims, shared by all heads) per token, stored together as one main-role vector
+[C^KV | K^R]. Two paths compute the same attention:
+
+- naive (training forward): expand per-head K^C = C^KV W^UK and V = C^KV W^UV;
+- absorbed (cached prefill/decode): fold W^UK into the query and apply W^UV after the
+  weighted sum, so keys and values are never expanded.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
+from dsattn.cache import contiguous
+from dsattn.nn.layers import dense
+from dsattn.nn.norms import RMSNorm
+from dsattn.nn.rope import apply_rope
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        a, m = cfg.attention, cfg.model
+        self.dtype = jnp.dtype(m.dtype)
+        self.h, self.dc, self.dr = a.n_heads, a.kv_lora_rank, a.qk_rope_dim
+        self.dn, self.dv = a.qk_nope_dim, a.v_head_dim
+        self.theta = a.rope_theta
+        self.scale = (self.dn + self.dr) ** -0.5
+        self.fmt = cfg.cache.main_format
+        d, std, dt = m.d_model, m.init_std, self.dtype
+        qd = self.h * (self.dn + self.dr)
+        if a.q_lora_rank:
+            self.wq_a = dense(d, a.q_lora_rank, rngs, dt, std)
+            self.q_norm = RMSNorm(a.q_lora_rank, m.norm_eps, dtype=dt)
+            self.wq_b = dense(a.q_lora_rank, qd, rngs, dt, std)
+        else:
+            self.wq_a = self.q_norm = None
+            self.wq_b = dense(d, qd, rngs, dt, std)
+        self.wkv_a = dense(d, self.dc + self.dr, rngs, dt, std)
+        self.kv_norm = RMSNorm(self.dc, m.norm_eps, dtype=dt)
+        self.wkv_b = dense(self.dc, self.h * (self.dn + self.dv), rngs, dt, std)
+        self.wo = dense(self.h * self.dv, d, rngs, dt, std)
+
+    # -- shared projections -----------------------------------------------------------
+    def query_latent(self, x):
+        """C^Q (what DSA's indexer also reads); x itself when there is no query latent."""
+        return x if self.wq_a is None else self.q_norm(self.wq_a(x))
+
+    def queries(self, cq, positions):
+        b, t = cq.shape[:2]
+        q = self.wq_b(cq).reshape(b, t, self.h, self.dn + self.dr)
+        return q[..., : self.dn], apply_rope(q[..., self.dn:], positions, self.theta)
+
+    def latents(self, x, positions):
+        """[C^KV | K^R] per token: [B, T, dc + dr]."""
+        kv = self.wkv_a(x)
+        ckv = self.kv_norm(kv[..., : self.dc])
+        kr = apply_rope(kv[..., self.dc:], positions, self.theta)
+        return jnp.concatenate([ckv, kr], axis=-1)
+
+    def _up(self):
+        w = self.wkv_b.kernel[...].reshape(self.dc, self.h, self.dn + self.dv)
+        return w[..., : self.dn], w[..., self.dn:]  # W^UK [dc,H,dn], W^UV [dc,H,dv]
+
+    # -- naive path --------------------------------------------------------------------
+    def naive_scores(self, q_nope, q_pe, lat):
+        """Per-head scores [B, H, Tq, Tk] through expanded keys."""
+        w_uk, _ = self._up()
+        k_nope = jnp.einsum("bsc,chn->bshn", lat[..., : self.dc], w_uk)
+        sd = softmax_dtype(q_nope.dtype)
+        s = jnp.einsum("bqhn,bshn->bhqs", q_nope, k_nope, preferred_element_type=sd)
+        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, lat[..., self.dc:],
+                           preferred_element_type=sd)
+        return s * self.scale
+
+    def naive_output(self, p, lat):
+        _, w_uv = self._up()
+        v = jnp.einsum("bsc,chv->bshv", lat[..., : self.dc], w_uv)
+        o = jnp.einsum("bhqs,bshv->bqhv", p.astype(v.dtype), v)
+        return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
+
+    # -- absorbed path -----------------------------------------------------------------
+    def absorbed_scores(self, q_nope, q_pe, lat):
+        w_uk, _ = self._up()
+        q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, w_uk)  # fold W^UK into the query
+        sd = softmax_dtype(q_nope.dtype)
+        s = jnp.einsum("bqhc,bsc->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
+        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, lat[..., self.dc:],
+                           preferred_element_type=sd)
+        return s * self.scale
+
+    def absorbed_output(self, p, lat):
+        _, w_uv = self._up()
+        o_lat = jnp.einsum("bhqs,bsc->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
+        o = jnp.einsum("bqhc,chv->bqhv", o_lat, w_uv)  # W^UV after the weighted sum
+        return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
+
+    # -- entry points ------------------------------------------------------------------
+    def __call__(self, x, positions):
+        q_nope, q_pe = self.queries(self.query_latent(x), positions)
+        lat = self.latents(x, positions)
+        p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), causal_mask(positions, positions))
+        return self.naive_output(p, lat), {}
+
+    def init_cache(self, batch: int, max_len: int):
+        return {"latent": contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
+                                           self.dr, self.dtype)}
+
+    def extend(self, x, positions, valid, cache, ctx):
+        q_nope, q_pe = self.queries(self.query_latent(x), positions)
+        stored = contiguous.write(cache["latent"], self.fmt, self.latents(x, positions),
+                                  positions, valid, self.dr)
+        lat = contiguous.read(stored, self.fmt, self.dtype)
+        k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
+        p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), causal_mask(positions, k_pos))
+        return self.absorbed_output(p, lat), {"latent": stored}

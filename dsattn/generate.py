@@ -1,0 +1,194 @@
+"""Prefill, decode_step and a sampling loop over explicit, donated cache pytrees.
+
+Both prefill and decode extend the cache by some tokens per row: prefill by a padded chunk
+(each row its own length), decode by one token per row. Rows are ragged: every row keeps
+its own next position in ``cache["pos"]``. Prompts are padded to power-of-two buckets so
+compiles stay bounded, and ``decode_step`` compiles once per (config, batch, max_len).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsattn.model import Transformer, check_tokens
+
+MIN_BUCKET = 16
+
+
+def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of up to `max_len` tokens (shapes only from cfg)."""
+    if isinstance(cfg_or_model, Transformer):
+        return cfg_or_model.init_cache(batch, max_len)
+    model = nnx.eval_shape(lambda: Transformer(cfg_or_model, rngs=nnx.Rngs(0)))
+    return model.init_cache(batch, max_len)
+
+
+def cache_capacity(cache) -> int:
+    """max_len of a cache (slots per row)."""
+    return _capacity(cache["layers"])
+
+
+def _capacity(layer_caches) -> int:
+    leaf = jax.tree.leaves(layer_caches)[0]
+    return leaf.shape[1]
+
+
+def bucket_length(n: int, max_len: int) -> int:
+    """Smallest power of two >= n (at least MIN_BUCKET), capped at max_len."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return max(n, min(b, max_len))
+
+
+def _extend_impl(graphdef, state, tokens, n_new, cache):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    start = cache["pos"]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    valid = jnp.arange(t)[None] < n_new[:, None]
+    h, layers = model.extend(tokens, positions, valid, cache["layers"])
+    last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return model.logits(last), {"pos": start + n_new, "layers": layers}
+
+
+def _decode_impl(graphdef, state, tokens, n_new, cache):
+    return _extend_impl(graphdef, state, tokens, n_new, cache)
+
+
+# Two jitted entry points (distinct functions, so jit caches them apart): decode's compile
+# count stands alone.
+_prefill_jit = jax.jit(_extend_impl, static_argnums=0, donate_argnums=4)
+_decode_jit = jax.jit(_decode_impl, static_argnums=0, donate_argnums=4)
+
+
+def decode_compilations() -> int:
+    """How many distinct decode_step programs have been compiled in this process."""
+    return _decode_jit._cache_size()
+
+
+def prefill(model: Transformer, tokens, lengths, cache, replay=None):
+    """Append each row's prompt to its cache; return next-token logits [B, V] and the cache.
+
+    tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
+    A row with length 0 is left untouched (its logits are meaningless).
+    """
+    if replay is not None:
+        raise ValueError("prefill(replay=...) needs a causal encoder-decoder config "
+                         "(attention.ced_split > 0); this model has none")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens: expected [batch, time], got shape {tokens.shape}")
+    b, t = tokens.shape
+    lengths = np.full((b,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if lengths.shape != (b,) or (lengths < 0).any() or (lengths > t).any():
+        raise ValueError(f"lengths: expected {b} values in [0, {t}], got {lengths.tolist()}")
+    for row in range(b):
+        check_tokens(tokens[row, : lengths[row]], model.cfg.model.vocab_size,
+                     f"tokens (row {row})")
+    max_len = cache_capacity(cache)
+    start = np.asarray(jax.device_get(cache["pos"]))
+    over = np.nonzero(start + lengths > max_len)[0]
+    if over.size:
+        r = int(over[0])
+        raise ValueError(f"prompt too long for the cache: row {r} would need "
+                         f"{int(start[r] + lengths[r])} positions, the cache holds {max_len}")
+    width = bucket_length(int(lengths.max(initial=1)), max_len)
+    padded = np.zeros((b, width), np.int32)
+    padded[:, : min(t, width)] = tokens[:, :width]
+    graphdef, state = nnx.split(model)
+    return _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache)
+
+
+def decode_step(model: Transformer, next_tokens, cache):
+    """Append one token per row; return next-token logits [B, V] and the updated cache.
+
+    Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
+    step stays free of host round trips.
+    """
+    if not isinstance(next_tokens, jax.Array):
+        check_tokens(next_tokens, model.cfg.model.vocab_size, "next_tokens")
+    tokens = jnp.asarray(next_tokens, jnp.int32).reshape(-1, 1)
+    graphdef, state = nnx.split(model)
+    ones = jnp.ones((tokens.shape[0],), jnp.int32)
+    return _decode_jit(graphdef, state, tokens, ones, cache)
+
+
+# ------------------------------------------------------------------------------ sampling
+@partial(jax.jit, static_argnames=("greedy",))
+def _sample(logits, key, temperature, top_p, greedy: bool):
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    probs = jax.nn.softmax(logits, axis=-1)
+    order = jnp.argsort(-probs, axis=-1)
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p  # always keeps the top
+    keep = jnp.zeros_like(keep_sorted).at[
+        jnp.arange(probs.shape[0])[:, None], order].set(keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
+    """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"sampling: need temperature >= 0 and 0 < top_p <= 1, "
+                         f"got {temperature}, {top_p}")
+    return _sample(logits, key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
+                   greedy=temperature == 0)
+
+
+def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, eos_id: int | None = None, stop=(), seed: int = 0,
+             max_len: int | None = None, on_token=None):
+    """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
+
+    A row stops at `eos_id` (not included in its output) or once its output ends with one
+    of the `stop` token sequences (included). `on_token(row, token)` is called as tokens
+    are produced. Returns one list of new tokens per prompt.
+    """
+    prompts = [list(p) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    need = longest + max_new_tokens
+    max_len = max_len or need
+    if need > max_len:
+        raise ValueError(f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds max_len {max_len}")
+    b = len(prompts)
+    tokens = np.zeros((b, longest), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    cache = init_cache(model, b, max_len)
+    logits, cache = prefill(model, tokens, [len(p) for p in prompts], cache)
+    key = jax.random.PRNGKey(seed)
+    outputs: list[list[int]] = [[] for _ in range(b)]
+    done = np.zeros(b, bool)
+    stop = [list(s) for s in stop]
+    for step in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        nxt = sample(logits, sub, temperature, top_p)
+        host = np.asarray(jax.device_get(nxt))
+        for i in range(b):
+            if done[i]:
+                continue
+            tok = int(host[i])
+            if eos_id is not None and tok == eos_id:
+                done[i] = True
+                continue
+            outputs[i].append(tok)
+            if on_token is not None:
+                on_token(i, tok)
+            if any(s and outputs[i][-len(s):] == s for s in stop):
+                done[i] = True
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits, cache = decode_step(model, nxt, cache)
+    return outputs

@@ -1,0 +1,259 @@
+"""KV-cache byte accounting: storage per token, local (window) bytes, and reads per decode step.
+
+Counting rules follow seed 000 ("DeepSeek's KV Cache: From 3.9 MB to 890 B per Token").
+
+Storage per token is the *global* cache a layer adds per token of context, in the deployed
+cache formats (``cfg.cache``) or, with ``bf16=True``, with every vector stored in BF16:
+
+    mha      2 * n_kv_heads * bpv(main, head_dim)              (K and V of every KV head)
+    mla      bpv(main, kv_lora_rank + qk_rope_dim, rope=qk_rope_dim)
+    dsa      mla + bpv(key, indexer.head_dim, rope=indexer.rope_dim)
+    csa/full (bpv(main, head_dim, rope_dim) + bpv(key, ix.head_dim, ix.rope_dim)) / ratio
+    hca      bpv(main, head_dim, rope_dim) / ratio
+    swa/reindex/reuse  0   (no global cache of their own: window only, or borrowed)
+
+Every V4-family layer (swa/hca/csa/full/reindex/reuse) also keeps a local window of W
+positions in ``cache.local_format``; that is ``local_bytes``, fixed once W positions are filled.
+
+Reads for one decode step with ``context`` tokens already in the cache ("Looking at reads"):
+each cache item a layer references is counted once per layer; a cache shared by several layers
+is counted again for every layer that reads it; heads and the K/V roles do not multiply it.
+
+    window (V4 family)   min(W, context) items at local-format bytes
+    mha / mla            every token (context) at main-format bytes
+    dsa                  min(top_k, context) tokens; scans all context search keys
+    hca                  all context // m complete entries; no search keys
+    csa / full           min(top_k, context // m) entries; scan context // m keys
+    reindex              min(top_k, context // m) entries; scans context // m keys, or with the
+                         hierarchical indexer (attention.pool_blocks > 0) only the pooled
+                         candidates, min(pool_blocks * pool_block_size, context // m)
+    reuse                min(top_k, context // m) entries (the borrowed selection); no keys
+
+The arithmetic is exact (ints and Fractions); storage comes back as float (V4-Flash's
+3,514.25 B is fractional), byte counts of reads as int whenever they are whole.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from dsattn.cache.formats import bytes_per_vector
+from dsattn.config import Config, V4_KINDS, sharing_sources
+
+__all__ = [
+    "item_bytes",
+    "storage_per_layer",
+    "storage_per_layer_exact",
+    "storage_per_token",
+    "local_bytes",
+    "global_bytes",
+    "read_counts",
+    "report",
+]
+
+_ROLES = ("local", "main", "key")
+
+
+def _num(x: Fraction | int) -> int | float:
+    """An exact count as int when whole, else float."""
+    x = Fraction(x)
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def _bpv(cfg: Config, role: str, width: int, rope: int, bf16: bool) -> Fraction:
+    fmt = "bf16" if bf16 else getattr(cfg.cache, f"{role}_format")
+    return Fraction(bytes_per_vector(fmt, width, rope, cfg.model.dtype))
+
+
+def item_bytes(cfg: Config, kind: str, bf16: bool = False) -> dict[str, Fraction]:
+    """Bytes of one cache item of each role a layer of ``kind`` reads (0 where none).
+
+    ``main``: one token's K+V of all KV heads (mha), one latent (mla/dsa), or one compressed
+    entry (V4 family); ``key``: one search key; ``local``: one window position.
+    """
+    a, ix = cfg.attention, cfg.indexer
+    out = {r: Fraction(0) for r in _ROLES}
+    if kind == "mha":
+        out["main"] = 2 * (a.n_kv_heads or a.n_heads) * _bpv(cfg, "main", a.head_dim, 0, bf16)
+    elif kind in ("mla", "dsa"):
+        out["main"] = _bpv(cfg, "main", a.kv_lora_rank + a.qk_rope_dim, a.qk_rope_dim, bf16)
+    if kind in V4_KINDS:
+        out["local"] = _bpv(cfg, "local", a.head_dim, a.rope_dim, bf16)
+        if kind != "swa":
+            out["main"] = _bpv(cfg, "main", a.head_dim, a.rope_dim, bf16)
+    if kind in ("dsa", "csa", "full", "reindex"):
+        out["key"] = _bpv(cfg, "key", ix.head_dim, ix.rope_dim, bf16)
+    return out
+
+
+def storage_per_layer_exact(cfg: Config, bf16: bool = False) -> list[Fraction]:
+    """Exact global bytes each layer adds per token (see the module docstring)."""
+    out = []
+    for kind, ratio in zip(cfg.attention.layers, cfg.attention.ratios):
+        it = item_bytes(cfg, kind, bf16)
+        if kind in ("mha", "mla", "dsa"):
+            out.append(it["main"] + it["key"])
+        elif kind in ("csa", "full"):
+            out.append((it["main"] + it["key"]) / ratio)
+        elif kind == "hca":
+            out.append(it["main"] / ratio)
+        else:  # swa, reindex, reuse: nothing global of their own
+            out.append(Fraction(0))
+    return out
+
+
+def storage_per_layer(cfg: Config, bf16: bool = False) -> list[float]:
+    """Global bytes added per token by each layer (deployed formats, or all-BF16)."""
+    return [float(x) for x in storage_per_layer_exact(cfg, bf16)]
+
+
+def storage_per_token(cfg: Config, bf16: bool = False) -> float:
+    """Global bytes added per token by the whole stack."""
+    return float(sum(storage_per_layer_exact(cfg, bf16), Fraction(0)))
+
+
+def local_bytes(cfg: Config, bf16: bool = False, context: int | None = None) -> int | float:
+    """Bytes of every V4-family layer's local window (W positions; min(W, context) if given)."""
+    w = cfg.attention.window if context is None else min(cfg.attention.window, context)
+    total = sum((item_bytes(cfg, k, bf16)["local"] * w for k in cfg.attention.layers),
+                Fraction(0))
+    return _num(total)
+
+
+def global_bytes(cfg: Config, context: int, bf16: bool = False) -> int | float:
+    """Exact global cache after ``context`` tokens: complete entries only (floor per layer)."""
+    _check_context(context)
+    total = Fraction(0)
+    for kind, ratio in zip(cfg.attention.layers, cfg.attention.ratios):
+        it = item_bytes(cfg, kind, bf16)
+        if kind in ("mha", "mla", "dsa"):
+            total += context * (it["main"] + it["key"])
+        elif kind in ("csa", "full"):
+            total += (context // ratio) * (it["main"] + it["key"])
+        elif kind == "hca":
+            total += (context // ratio) * it["main"]
+    return _num(total)
+
+
+def _check_context(context) -> None:
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context: expected an integer >= 0 tokens, got {context!r}")
+
+
+def read_counts(cfg: Config, context: int) -> list[dict]:
+    """Per layer: cache items one decode step reads with ``context`` tokens cached.
+
+    ``window_read``: local window positions; ``entries_read``: main items (compressed entries,
+    or tokens for mha/mla/dsa); ``keys_scanned``: search keys the layer's indexer scores.
+    """
+    _check_context(context)
+    a = cfg.attention
+    out = []
+    for kind, m in zip(a.layers, a.ratios):
+        window = min(a.window, context) if kind in V4_KINDS else 0
+        keys = 0
+        if kind in ("mha", "mla"):
+            entries = context
+        elif kind == "dsa":
+            entries, keys = min(a.top_k, context), context
+        elif kind == "hca":
+            entries = context // m
+        elif kind in ("csa", "full", "reindex", "reuse"):
+            visible = context // m
+            entries = min(a.top_k, visible)
+            if kind in ("csa", "full"):
+                keys = visible
+            elif kind == "reindex":
+                keys = (min(a.pool_blocks * a.pool_block_size, visible)
+                        if a.pool_blocks > 0 else visible)
+        else:  # swa
+            entries = 0
+        out.append({"window_read": window, "entries_read": entries, "keys_scanned": keys})
+    return out
+
+
+def _layer_reads(it: dict, counts: dict) -> tuple[Fraction, Fraction, Fraction]:
+    local = counts["window_read"] * it["local"]
+    main = counts["entries_read"] * it["main"]
+    key = counts["keys_scanned"] * it["key"]
+    return local, main, key
+
+
+def report(cfg: Config, context: int) -> dict:
+    """Storage, local bytes and one decode step's reads at ``context`` cached tokens.
+
+    Returns a JSON-ready dict; ``layers`` holds the per-layer breakdown (kind, ratio, sharing
+    sources, item sizes, storage, items read and bytes read).
+    """
+    _check_context(context)
+    a = cfg.attention
+    store = storage_per_layer_exact(cfg)
+    store16 = storage_per_layer_exact(cfg, bf16=True)
+    counts = read_counts(cfg, context)
+    sources = sharing_sources(cfg)
+
+    layers = []
+    tot = {k: Fraction(0) for k in ("local", "main", "key", "local16", "main16", "key16")}
+    for i, kind in enumerate(a.layers):
+        it, it16 = item_bytes(cfg, kind), item_bytes(cfg, kind, bf16=True)
+        loc, main, key = _layer_reads(it, counts[i])
+        loc16, main16, key16 = _layer_reads(it16, counts[i])
+        for name, v in (("local", loc), ("main", main), ("key", key), ("local16", loc16),
+                        ("main16", main16), ("key16", key16)):
+            tot[name] += v
+        kv_src, sel_src = sources[i]
+        layers.append({
+            "layer": i,
+            "kind": kind,
+            "ratio": a.ratios[i],
+            "kv_source": kv_src,  # layer whose global cache it reads (None: none)
+            "select_source": sel_src,  # layer whose top-k selection it reuses (reuse only)
+            "local_item_bytes": _num(it["local"]),
+            "main_item_bytes": _num(it["main"]),
+            "key_item_bytes": _num(it["key"]),
+            "storage_bytes_per_token": float(store[i]),
+            "storage_bf16_bytes_per_token": float(store16[i]),
+            **counts[i],
+            "read_local_bytes": _num(loc),
+            "read_main_bytes": _num(main),
+            "read_kv_bytes": _num(loc + main),
+            "read_key_bytes": _num(key),
+            "read_bytes": _num(loc + main + key),
+            "read_bf16_kv_bytes": _num(loc16 + main16),
+            "read_bf16_key_bytes": _num(key16),
+        })
+
+    storage = sum(store, Fraction(0))
+    storage16 = sum(store16, Fraction(0))
+    local = Fraction(local_bytes(cfg))
+    kv = tot["local"] + tot["main"]
+    kv16 = tot["local16"] + tot["main16"]
+    total = kv + tot["key"]
+    glob = Fraction(global_bytes(cfg, context))
+    return {
+        "name": cfg.name,
+        "context": context,
+        "n_layers": len(a.layers),
+        "storage_bytes_per_token": float(storage),
+        "storage_bf16_bytes_per_token": float(storage16),
+        "storage_layers": sum(1 for s in store if s),  # layers that store global KV
+        "local_bytes": _num(local),
+        "local_bf16_bytes": local_bytes(cfg, bf16=True),
+        # context where storage_per_token * context equals the local window bytes
+        "crossover_context": float(local / storage) if local and storage else None,
+        "global_bytes": _num(glob),  # exact, complete entries only, at `context`
+        "cache_bytes": _num(glob + Fraction(local_bytes(cfg, context=context))),
+        "read_local_bytes": _num(tot["local"]),
+        "read_main_bytes": _num(tot["main"]),
+        "read_kv_bytes": _num(kv),
+        "read_key_bytes": _num(tot["key"]),
+        "read_bytes": _num(total),
+        "read_key_share": float(tot["key"] / total) if total else 0.0,
+        "read_bf16_kv_bytes": _num(kv16),
+        "read_bf16_key_bytes": _num(tot["key16"]),
+        "read_bf16_bytes": _num(kv16 + tot["key16"]),
+        "window_read": sum(c["window_read"] for c in counts),
+        "entries_read": sum(c["entries_read"] for c in counts),
+        "keys_scanned": sum(c["keys_scanned"] for c in counts),
+        "layers": layers,
+    }

@@ -1,0 +1,102 @@
+"""The stack: pre-norm blocks (attention + SwiGLU FFN) whose attention kind comes per layer
+from the config. One set of weights runs three ways: `model(tokens)` (teacher-forced),
+and `extend` over an explicit cache pytree (prefill and decode, driven by dsattn.generate).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsattn.attention.mha import MHA
+from dsattn.attention.mla import MLA
+from dsattn.config import Config
+from dsattn.nn.layers import Embedding, SwiGLU
+from dsattn.nn.norms import RMSNorm
+
+ATTENTION = {"mha": MHA, "mla": MLA}
+
+
+def make_attention(cfg: Config, layer: int, rngs: nnx.Rngs):
+    kind = cfg.kind(layer)
+    if kind not in ATTENTION:
+        raise NotImplementedError(f"attention.layers: layer {layer} kind {kind!r} is not "
+                                  f"implemented yet (available: {', '.join(ATTENTION)})")
+    return ATTENTION[kind](cfg, rngs)
+
+
+def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
+    """Raise if concrete tokens fall outside [0, vocab_size). Tracers pass unchecked."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = arr[(arr < 0) | (arr >= vocab_size)].ravel()[0]
+        raise ValueError(f"{where}: token id {int(bad)} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs):
+        m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
+        self.attn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
+        self.attn = make_attention(cfg, layer, rngs)
+        self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
+        self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
+
+    def __call__(self, x, positions):
+        a, aux = self.attn(self.attn_norm(x), positions)
+        x = x + a
+        return x + self.ffn(self.ffn_norm(x)), aux
+
+    def extend(self, x, positions, valid, cache, ctx):
+        a, cache = self.attn.extend(self.attn_norm(x), positions, valid, cache, ctx)
+        x = x + a
+        return x + self.ffn(self.ffn_norm(x)), cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
+        self.embedding = Embedding(m.vocab_size, m.d_model, rngs, dt, m.tie_embeddings,
+                                   m.init_std)
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(m.n_layers)])
+        self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
+
+    def forward(self, tokens):
+        """Teacher-forced forward: (logits [B, T, V], per-layer aux dicts)."""
+        check_tokens(tokens, self.cfg.model.vocab_size)
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embedding(tokens)
+        auxes = []
+        for block in self.blocks:
+            x, aux = block(x, positions)
+            auxes.append(aux)
+        return self.embedding.logits(self.norm(x)), auxes
+
+    def __call__(self, tokens):
+        return self.forward(tokens)[0]
+
+    # -- cached execution ----------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """Empty cache pytree: next position per row and one cache per layer."""
+        return {"pos": jnp.zeros((batch,), jnp.int32),
+                "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
+
+    def extend(self, tokens, positions, valid, layer_caches):
+        """Run new tokens [B, T] at `positions` through every layer, updating the caches.
+
+        Returns final hidden states [B, T, D] (after the last norm) and the new caches.
+        """
+        x = self.embedding(tokens)
+        ctx: dict = {}
+        new = []
+        for block, cache in zip(self.blocks, layer_caches):
+            x, cache = block.extend(x, positions, valid, cache, ctx)
+            new.append(cache)
+        return self.norm(x), tuple(new)
+
+    def logits(self, h):
+        return self.embedding.logits(h)
