@@ -1,0 +1,194 @@
+"""KV-cache report: storage per token, local window, crossover and reads per decode step.
+
+    python scripts/kv_report.py configs/deepseek/*.yaml [--context 128K] [--out runs/kv_report]
+
+Prints one row per config (the byte accounting of dsattn.kvbytes, seed 000's rules) and writes
+into --out:
+  cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
+                      horizontal memory-budget line (--budget-gb, in GiB = 2^30 B, the unit seed
+                      001's figure uses: 480 GB for MHA at 128K)
+  reads_per_step.png  bytes one decode step reads vs context (solid: total, dotted: search keys)
+  kv_report.json      the rows (every field of dsattn.kvbytes.report plus the ratio to MHA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+try:
+    import dsattn  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsattn import kvbytes
+from dsattn.config import load
+
+GIB = 2**30
+PLOT_MIN, PLOT_MAX = 2**10, 2**20  # 1K .. 1M tokens
+
+
+def parse_tokens(text: str) -> int:
+    """'131072', '128K', '1M' (binary K/M, as the seed's 128K = 131,072) -> tokens."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a token count like 131072, 128K or 1M, "
+                                         f"got {text!r}")
+    n = int(m.group(1))
+    return n * {"": 1, "k": 2**10, "m": 2**20}[m.group(2).lower()]
+
+
+def _si(n) -> str:
+    """Decimal SI bytes, as the seed writes them (515 GB, 68 MB)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
+    return f"{n:g} B"
+
+
+def _bytes(x: float) -> str:
+    return f"{x:,.2f}".rstrip("0").rstrip(".") if x != int(x) else f"{int(x):,}"
+
+
+def reference_row(rows: list[dict]) -> dict:
+    """The first config named mha*, else the one with the largest storage per token."""
+    for r in rows:
+        if r["name"].lower().startswith("mha"):
+            return r
+    return max(rows, key=lambda r: r["storage_bytes_per_token"])
+
+
+def build_rows(paths, context: int, overrides=()) -> list[dict]:
+    rows = []
+    for p in paths:
+        cfg = load(p, overrides)
+        row = kvbytes.report(cfg, context)
+        row["config"] = str(p)
+        rows.append(row)
+    if rows:
+        ref = reference_row(rows)
+        for r in rows:
+            s = r["storage_bytes_per_token"]
+            r["reference"] = ref["name"]
+            r["ratio_to_reference"] = ref["storage_bytes_per_token"] / s if s else None
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    ctx = rows[0]["context"] if rows else 0
+    head = ("config", "B/token", "B/token BF16", "vs " + (rows[0]["reference"] if rows else "ref"),
+            "local", "crossover", f"read/step@{ctx:,}", "KV", "keys", "keys %")
+    body = []
+    for r in rows:
+        ratio = r["ratio_to_reference"]
+        cross = r["crossover_context"]
+        body.append((
+            r["name"],
+            _bytes(r["storage_bytes_per_token"]),
+            _bytes(r["storage_bf16_bytes_per_token"]),
+            "-" if ratio is None else ("1" if round(ratio) == 1 else f"1/{ratio:,.0f}"),
+            _si(r["local_bytes"]) if r["local_bytes"] else "-",
+            f"{cross:,.0f} tok" if cross is not None else "-",
+            _si(r["read_bytes"]),
+            _si(r["read_kv_bytes"]),
+            _si(r["read_key_bytes"]) if r["read_key_bytes"] else "-",
+            f"{100 * r['read_key_share']:.1f}",
+        ))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def _contexts(points_per_octave: int = 4) -> list[int]:
+    out, n = [], PLOT_MIN
+    while n <= PLOT_MAX:
+        out.append(int(round(n)))
+        n *= 2 ** (1 / points_per_octave)
+    if out[-1] != PLOT_MAX:
+        out.append(PLOT_MAX)
+    return sorted(set(out))
+
+
+def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = [load(p, overrides) for p in paths]
+    xs = _contexts()
+    files = []
+
+    styles = ("-", "-.")  # alternate so equal curves (V2 and V3) both stay visible
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for j, cfg in enumerate(cfgs):
+        ys = [(kvbytes.global_bytes(cfg, n) + kvbytes.local_bytes(cfg, context=n)) / GIB
+              for n in xs]
+        per_token = _bytes(kvbytes.storage_per_token(cfg))
+        ax.plot(xs, ys, ls=styles[j % 2], label=f"{cfg.name} ({per_token} B/token)")
+    ax.axhline(budget_gb, color="k", ls="--", lw=1)
+    ax.text(xs[0], budget_gb * 1.15, f"memory budget {budget_gb:g} GiB", fontsize=9)
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
+           ylabel="KV cache of one sequence (GiB): global + local",
+           title="KV cache size vs context (deployed cache formats)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out / "cache_size.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for j, cfg in enumerate(cfgs):
+        reps = [kvbytes.report(cfg, n) for n in xs]
+        (line,) = ax.plot(xs, [r["read_bytes"] for r in reps], ls=styles[j % 2],
+                          label=f"{cfg.name} total")
+        keys = [r["read_key_bytes"] for r in reps]
+        if any(keys):
+            ax.plot(xs, keys, ls=":", color=line.get_color(), label=f"{cfg.name} search keys")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
+           ylabel="bytes read per decode step (all layers)",
+           title="Reads per generated token (deployed cache formats)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    files.append(out / "reads_per_step.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="+", help="YAML presets, e.g. configs/deepseek/*.yaml")
+    ap.add_argument("--context", type=parse_tokens, default=131072,
+                    help="tokens already cached for the read columns (default 131072 = 128K)")
+    ap.add_argument("--out", type=Path, default=Path("runs/kv_report"),
+                    help="folder for the PNGs and JSON (default runs/kv_report)")
+    ap.add_argument("--budget-gb", type=float, default=80.0,
+                    help="memory budget line in the cache-size plot, GiB (default 80)")
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override applied to every config, e.g. attention.top_k=1024")
+    ap.add_argument("--no-plots", action="store_true", help="print and write JSON only")
+    args = ap.parse_args(argv)
+
+    rows = build_rows(args.configs, args.context, args.override)
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kv_report.json").write_text(json.dumps(rows, indent=1))
+    written = [args.out / "kv_report.json"]
+    if not args.no_plots:
+        written += write_plots(args.configs, args.out, args.budget_gb, args.override)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
