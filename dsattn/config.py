@@ -247,6 +247,11 @@ def _coerce(value, typ, key: str):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

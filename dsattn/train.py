@@ -1,0 +1,162 @@
+"""Training: AdamW with warm-up + cosine decay, clipping, a jitted functional step, periodic
+validation, metrics.jsonl, orbax checkpoints and exact resume.
+
+Batches are a pure function of (seed, step) (dsattn.data.batch_at), so a rerun of the same
+command resumes from the latest checkpoint and continues exactly as if never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from dsattn import checkpoint, data
+from dsattn.config import Config
+from dsattn.model import Transformer
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or inf."""
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    t = cfg.train
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=min(t.warmup_steps, t.steps),
+        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+
+
+def loss_fn(model: Transformer, batch: dict, step=None):
+    """Mean next-token cross-entropy plus any auxiliary losses the layers report."""
+    logits, auxes = model.forward(batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), batch["targets"]).mean()
+    metrics = {"ce": ce}
+    total = ce
+    for name in sorted({k for aux in auxes for k in aux}):
+        value = sum(aux[name] for aux in auxes if name in aux)
+        metrics[name] = value
+        if name.endswith("_loss"):
+            total = total + value
+    metrics["loss"] = total
+    return total, metrics
+
+
+class Trainer:
+    """Holds the functional state (params, optimizer state) and the jitted step."""
+
+    def __init__(self, cfg: Config, run_dir, *, quiet: bool = False):
+        self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
+        checkpoint.check_compatible(self.run_dir, cfg)
+        self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+        model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
+        self.graphdef, state = nnx.split(model)
+        self.params = nnx.to_pure_dict(state)
+        self.tx = make_optimizer(cfg)
+        self.opt_state = self.tx.init(self.params)
+        self.step = 0
+        self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints)
+        latest = self.mngr.latest_step()
+        if latest is not None:
+            restored = checkpoint.restore(self.mngr, latest, params=self.params,
+                                          opt_state=self.opt_state)
+            self.params, self.opt_state = restored["params"], restored["opt_state"]
+            self.step = latest
+        checkpoint.save_config(self.run_dir, cfg)
+        self._train_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+        self._eval_step = jax.jit(self._eval_impl)
+        t = cfg.train
+        self.val_batches = data.eval_batches(self.corpus.val, t.eval_batches, t.batch_size,
+                                             t.seq_len, seed=t.seed)
+
+    # -- pure functions ------------------------------------------------------------------
+    def _model(self, params) -> Transformer:
+        state = nnx.State(params)
+        return nnx.merge(self.graphdef, state)
+
+    def _step_impl(self, params, opt_state, batch, step):
+        def f(p):
+            return loss_fn(self._model(p), batch, step)
+
+        (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    def _eval_impl(self, params, batch):
+        return loss_fn(self._model(params), batch)[1]
+
+    # -- host loop -------------------------------------------------------------------------
+    def model(self) -> Transformer:
+        return self._model(self.params)
+
+    def validation_loss(self) -> float:
+        losses = [float(self._eval_step(self.params, b)["ce"]) for b in self.val_batches]
+        return float(np.mean(losses))
+
+    def save(self):
+        checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
+
+    def _log(self, record: dict):
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self, steps: int | None = None) -> dict:
+        """Train until `steps` total steps (default cfg.train.steps); return a summary."""
+        t = self.cfg.train
+        target = t.steps if steps is None else steps
+        tokens_per_step = t.batch_size * t.seq_len
+        bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
+                   dynamic_ncols=True)
+        last_good = self.mngr.latest_step()
+        val = None
+        t0, steps_timed = time.perf_counter(), 0
+        while self.step < target:
+            batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
+            self.params, self.opt_state, metrics = self._train_step(
+                self.params, self.opt_state, batch, jnp.int32(self.step))
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                self.mngr.wait_until_finished()
+                where = (f"the last good checkpoint is step {last_good} in "
+                         f"{self.run_dir / 'checkpoints'}" if last_good is not None
+                         else "no checkpoint was saved yet")
+                raise NonFiniteLoss(f"training loss became {loss} at step {self.step + 1}; "
+                                    f"{where}")
+            self.step += 1
+            steps_timed += 1
+            tok_s = steps_timed * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+            record = {"step": self.step, **{k: float(v) for k, v in metrics.items()},
+                      "tokens_per_s": tok_s}
+            if self.step % t.eval_every == 0 or self.step == target:
+                val = self.validation_loss()
+                record["val_loss"] = val
+            if self.step % t.log_every == 0 or "val_loss" in record:
+                self._log(record)
+            if self.step % t.ckpt_every == 0 or self.step == target:
+                self.save()
+                last_good = self.step
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val else "-",
+                            tok_s=f"{tok_s:,.0f}")
+            bar.update(1)
+        bar.close()
+        self.mngr.wait_until_finished()
+        return {"step": self.step, "val_loss": val if val is not None else
+                self.validation_loss(), "run_dir": str(self.run_dir)}
+
+
+def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False) -> dict:
+    return Trainer(cfg, run_dir, quiet=quiet).run(steps)

@@ -1,0 +1,105 @@
+"""The central invariant: prefill + decode_step logits == teacher-forced forward logits, for
+every tiny preset, over a ragged batch, in float64; decode compiles once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsattn import generate
+from tests.conftest import tiny_model
+
+BASELINES = ["mha", "gqa", "mqa", "mla"]
+
+
+def check_decode_matches_forward(model, lengths, n_decode, max_len, seed=0, atol=1e-9):
+    """Prefill rows of different lengths, then decode the true next tokens one by one."""
+    b = len(lengths)
+    total = max(lengths) + n_decode
+    vocab = model.cfg.model.vocab_size
+    toks = np.random.RandomState(seed).randint(0, vocab, (b, total))
+    full = np.asarray(model(jnp.asarray(toks)))
+    lengths = np.asarray(lengths)
+    cache = generate.init_cache(model, b, max_len)
+    logits, cache = generate.prefill(model, toks[:, : lengths.max()], lengths, cache)
+    got = [np.asarray(logits)]
+    want = [full[np.arange(b), lengths - 1]]
+    for s in range(n_decode):
+        logits, cache = generate.decode_step(model, toks[np.arange(b), lengths + s], cache)
+        got.append(np.asarray(logits))
+        want.append(full[np.arange(b), lengths + s])
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=atol, rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(cache["pos"]), lengths + n_decode)
+    return cache
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_prefill_decode_equals_forward(name):
+    model = tiny_model(name, "model.n_layers=2")
+    check_decode_matches_forward(model, lengths=[3, 17, 9], n_decode=6, max_len=32)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    model = tiny_model("mla", "model.n_layers=2")
+    toks = np.random.RandomState(1).randint(0, 256, (2, 20))
+    full = np.asarray(model(jnp.asarray(toks)))
+    cache = generate.init_cache(model, 2, 32)
+    _, cache = generate.prefill(model, toks[:, :8], [8, 5], cache)
+    # second chunk continues each row at its own position
+    second = np.stack([toks[0, 8:20], np.concatenate([toks[1, 5:17]])])
+    logits, cache = generate.prefill(model, second, [12, 12], cache)
+    np.testing.assert_allclose(np.asarray(logits)[0], full[0, 19], atol=1e-9)
+    np.testing.assert_allclose(np.asarray(logits)[1], full[1, 16], atol=1e-9)
+
+
+def test_decode_step_compiles_once():
+    model = tiny_model("gqa", "model.n_layers=1")
+    cache = generate.init_cache(model, 2, 24)
+    logits, cache = generate.prefill(model, np.ones((2, 4), int), [4, 2], cache)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None)
+    before = generate.decode_compilations()
+    tok = jnp.argmax(logits, -1)
+    for _ in range(8):
+        logits, cache = generate.decode_step(model, tok, cache)
+        tok = jnp.argmax(logits, -1)
+    after_first = generate.decode_compilations()
+    n_events = len(compiles)
+    for _ in range(8):
+        logits, cache = generate.decode_step(model, tok, cache)
+        tok = jnp.argmax(logits, -1)
+    assert generate.decode_compilations() == after_first <= before + 1
+    assert len(compiles) == n_events  # nothing at all compiled during the later steps
+
+
+def test_generate_greedy_matches_argmax_of_forward():
+    model = tiny_model("mha", "model.n_layers=1")
+    prompts = [[5, 6, 7], [9, 1]]
+    outs = generate.generate(model, prompts, 5)
+    for p, out in zip(prompts, outs):
+        seq = list(p)
+        for tok in out:
+            logits = np.asarray(model(jnp.asarray([seq])))[0, -1]
+            assert tok == int(np.argmax(logits))
+            seq.append(tok)
+
+
+def test_generate_stops_at_eos_and_stop_sequences():
+    model = tiny_model("mha", "model.n_layers=1")
+    free = generate.generate(model, [[1, 2, 3]], 6)[0]
+    eos = free[2]
+    cut = generate.generate(model, [[1, 2, 3]], 6, eos_id=eos)[0]
+    assert cut == free[: free.index(eos)]
+    stop = free[1:3]
+    first_end = next(i for i in range(2, 7) if free[i - 2:i] == stop)
+    stopped = generate.generate(model, [[1, 2, 3]], 6, stop=[stop])[0]
+    assert stopped == free[:first_end]
+
+
+def test_sampling_top_p_keeps_only_the_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.PRNGKey(0), 200)
+    draws = {int(generate.sample(logits, k, temperature=1.0, top_p=0.7)[0]) for k in keys}
+    assert draws == {0, 1}
+    assert int(generate.sample(logits, keys[0])[0]) == 0  # greedy
