@@ -17,7 +17,8 @@ Stored arrays (``encode`` output; leading dims are whatever the input had):
 
     native               {"v": x}
     bf16                 {"v": bf16 [..., w]}
-    fp8_ds_mla           {"q": e4m3 [..., w-r], "scale": f32 [..., (w-r)/128], "rope": bf16 [..., r]}
+    fp8_ds_mla           {"q": e4m3 [..., w-r], "scale": f32 [..., (w-r)/128],
+                          "rope": bf16 [..., r]}
     fp8_fp32             {"q": e4m3 [..., w],   "scale": f32 [..., w/128]}
     fp8_ue8m0_rope_bf16  {"q": e4m3 [..., w-r], "scale": e8m0 [..., ceil((w-r)/64 / 8)*8],
                           "rope": bf16 [..., r]}            (trailing pad scale bytes are 0x00)
@@ -40,10 +41,10 @@ Quantization (DeepSeek act_quant, REFERENCE §1.4/§2.3/§3.3), per scale block,
 Representable block ranges without saturation: fp4_e4m3 needs block amax <= 6·448 = 2688 (no
 per-tensor scale in the 288 B layout); below 6·2^-9 the scale floor limits resolution.
 
-All functions are pure jnp, traceable under jit (format names and rope widths are static), and
-avoid float4/e8m0 arithmetic conversions: E2M1 codes and E8M0 bytes are computed with integer
+All functions are pure jnp, traceable under jit (format names and rope widths are static).
+They avoid float4/e8m0 value conversions: E2M1 codes and E8M0 bytes are computed with integer
 and float32 arithmetic (bit-identical to ``astype(float4_e2m1fn)`` / ``astype(float8_e8m0fnu)``,
-checked in tests/test_formats.py), so they lower on any backend and inside Pallas kernels.
+checked in tests/test_formats.py), so a backend only needs E4M3 casts and same-width bitcasts.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
     """Store ``x`` [..., w] (last ``rope`` dims rotary) in format ``fmt``.
 
     Returns the dict of stored arrays (see the module docstring). Quantization math runs in
-    float32 whatever the input dtype; rotary dims of *_rope formats are rounded once to BF16.
+    float32 whatever the input dtype (float64 is rounded to float32 first); rotary dims of
+    *_rope formats are rounded to BF16.
     ``rope`` only matters for formats that keep the rotary dims apart.
     """
     sp = spec(fmt)
@@ -299,6 +301,7 @@ def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
     check_width(fmt, w, rope, "encode")
     if fmt == "native":
         return {"v": x}
+    x = x.astype(jnp.float32)  # float64 inputs are handled exactly like their float32 rounding
     if fmt == "bf16":
         return {"v": x.astype(jnp.bfloat16)}
     out = {}
@@ -306,7 +309,7 @@ def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
     if sp.needs_rope_split:
         body = x[..., : w - rope]
         out["rope"] = x[..., w - rope:].astype(jnp.bfloat16)
-    out.update(_quantize(sp, body.astype(jnp.float32)))
+    out.update(_quantize(sp, body))
     return out
 
 
