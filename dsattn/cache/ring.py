@@ -1,0 +1,121 @@
+"""Local ring cache: per row, the last W positions (V4's sliding-window KV), stored in a format.
+
+A ring holds ``{"kv": <formats storage [B, W, ...]>, "pos": int32 [B, W]}``: slot ``p % W``
+holds position ``p``'s vector and ``pos[b, s]`` is the absolute position stored in slot ``s``
+of row ``b`` (-1: empty). Rows are independent: positions are absolute per row and a ragged
+batch advances each row by its own number of valid entries.
+
+All functions are pure jnp with static shapes (format names and rope widths are static), so
+they run under ``jax.jit``; a step's chunk of T new entries may be longer than the window.
+
+Typical use in one local-attention layer, for a chunk (prefill) or a single token (decode)::
+
+    keys, key_pos = ring.local_keys(r, fmt, dtype, kv, pos, valid, W, rope=r_dims)
+    mask = ring.window_mask(key_pos, pos, W)        # [B, T, W + T]
+    ...attend(q, keys, mask)...
+    r = ring.write(r, fmt, kv, pos, valid, rope=r_dims)
+"""
+
+import jax.numpy as jnp
+
+from dsattn.cache import formats
+
+
+def _window(ring: dict) -> int:
+    return ring["pos"].shape[1]
+
+
+def empty(fmt: str, batch: int, window: int, width: int, rope: int, dtype) -> dict:
+    """An empty ring of ``window`` slots per row for vectors of ``width`` dims.
+
+    ``kv`` is zeroed storage of the format (decodes to 0.0); ``pos`` is -1 everywhere.
+    """
+    if window < 1:
+        raise ValueError(f"ring window must be >= 1, got {window}")
+    return {
+        "kv": formats.empty(fmt, (batch, window), width, rope, dtype),
+        "pos": jnp.full((batch, window), -1, jnp.int32),
+    }
+
+
+def write(ring: dict, fmt: str, values, positions, valid, rope: int = 0) -> dict:
+    """Store values [B, T, w] at absolute positions [B, T] where valid [B, T]; slot = p mod W.
+
+    Valid positions of a row must be distinct and >= 0 (they normally are consecutive).
+    T may exceed W: only each row's last W valid positions (p > max valid p - W) are written,
+    since two kept positions would otherwise share a slot and XLA's scatter with duplicate
+    indices applies them in an unspecified order. After the write, slots of such a row holding
+    positions <= max - W (out of its window; only possible when the row's positions jump) are
+    marked empty. Rows with no valid entry are untouched (storage and positions). Values are
+    encoded with ``formats.encode(fmt, values, rope)`` before the scatter.
+    """
+    w_slots = _window(ring)
+    positions = jnp.asarray(positions).astype(jnp.int32)
+    valid = jnp.asarray(valid).astype(bool)
+    has = jnp.any(valid, axis=1)  # [B]
+    top = jnp.max(jnp.where(valid, positions, -1), axis=1)  # [B] max valid position (-1: none)
+    keep = valid & (positions > top[:, None] - w_slots)
+    slots = jnp.where(keep, positions % w_slots, w_slots)  # out of range -> dropped
+    rows = jnp.arange(positions.shape[0])[:, None]
+
+    enc = formats.encode(fmt, values, rope)
+    kv = {k: a.at[rows, slots].set(enc[k].astype(a.dtype), mode="drop")
+          for k, a in ring["kv"].items()}
+    pos = ring["pos"].at[rows, slots].set(positions, mode="drop")
+    stale = has[:, None] & (pos <= top[:, None] - w_slots)
+    pos = jnp.where(stale, -1, pos)
+    return {"kv": kv, "pos": pos}
+
+
+def read(ring: dict, fmt: str, dtype):
+    """All slots decoded: (values [B, W, w] in ``dtype``, positions int32 [B, W], -1 empty)."""
+    return formats.decode(fmt, ring["kv"], dtype), ring["pos"]
+
+
+def window_mask(slot_pos, q_pos, window: int):
+    """bool [B, T, S]: key ``s`` is visible to query ``t`` of the same row.
+
+    True where the key position is valid (>= 0), key <= query and key > query - window, i.e.
+    the key lies in the query's window {query - window + 1 .. query}. Works for any key set:
+    a ring's slots, a chunk's own keys, or their concatenation (``local_keys``). A padded
+    query (position -1) sees nothing; callers must not let its all-masked row produce NaNs.
+    """
+    k = jnp.asarray(slot_pos)[:, None, :]
+    q = jnp.asarray(q_pos)[:, :, None]
+    return (k >= 0) & (k <= q) & (k > q - window)
+
+
+def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid,
+               window: int, rope: int = 0, quantize: bool = True):
+    """Keys a chunk's queries attend over: concat[ring BEFORE this chunk's write, the chunk].
+
+    Returns (keys [B, W + T, w] in ``dtype``, key_pos int32 [B, W + T]); invalid chunk entries
+    get position -1. With ``window_mask(key_pos, chunk_pos, window)`` every query q of the
+    chunk sees exactly the positions {q - window + 1 .. q}, each once.
+
+    Why not just write the chunk and attend over the ring: the ring keeps only the last W
+    positions, so after writing a chunk longer than W (or one that wraps the ring) the slots
+    of the window of the chunk's EARLIER queries have been overwritten by its later positions.
+    Read before the write, the ring holds the last W positions before the chunk (the part of
+    every window that precedes the chunk; ``window`` <= W) and the chunk supplies the rest.
+    Ring keys and chunk keys never share a position, since the chunk continues the row.
+
+    ``quantize`` (default): chunk keys go through ``decode(encode(fmt, ., rope))``, i.e. they
+    carry exactly the numbers the ring will hold after ``write``, so a query's result does not
+    depend on how the sequence was chunked (or whether it is decoded token by token). For
+    ``native`` this is the identity. ``quantize=False`` uses the chunk's values as given.
+    """
+    w_slots = _window(ring)
+    if window > w_slots:
+        raise ValueError(f"window {window} exceeds the ring's {w_slots} slots")
+    ring_vals, ring_pos = read(ring, fmt, dtype)
+    chunk_values = jnp.asarray(chunk_values)
+    if quantize:
+        chunk_keys = formats.decode(fmt, formats.encode(fmt, chunk_values, rope), dtype)
+    else:
+        chunk_keys = chunk_values.astype(dtype)
+    cpos = jnp.where(jnp.asarray(chunk_valid).astype(bool),
+                     jnp.asarray(chunk_pos).astype(jnp.int32), -1)
+    keys = jnp.concatenate([ring_vals, chunk_keys], axis=1)
+    key_pos = jnp.concatenate([ring_pos, cpos], axis=1)
+    return keys, key_pos
