@@ -29,13 +29,8 @@ def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
 
 
 def cache_capacity(cache) -> int:
-    """max_len of a cache (slots per row)."""
-    return _capacity(cache["layers"])
-
-
-def _capacity(layer_caches) -> int:
-    leaf = jax.tree.leaves(layer_caches)[0]
-    return leaf.shape[1]
+    """max_len of a cache (positions per row); carried as a static shape (see init_cache)."""
+    return cache["capacity"].shape[0]
 
 
 def bucket_length(n: int, max_len: int) -> int:
@@ -54,7 +49,7 @@ def _extend_impl(graphdef, state, tokens, n_new, cache):
     valid = jnp.arange(t)[None] < n_new[:, None]
     h, layers = model.extend(tokens, positions, valid, cache["layers"])
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return model.logits(last), {"pos": start + n_new, "layers": layers}
+    return model.logits(last), {**cache, "pos": start + n_new, "layers": layers}
 
 
 def _decode_impl(graphdef, state, tokens, n_new, cache):

@@ -8,21 +8,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsattn.attention.dsa import DSA
+from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
 from dsattn.config import Config
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
 
-ATTENTION = {"mha": MHA, "mla": MLA}
+BASELINE_ATTENTION = {"mha": MHA, "mla": MLA, "dsa": DSA}
+V4_FAMILY = ("swa", "hca", "csa")
 
 
 def make_attention(cfg: Config, layer: int, rngs: nnx.Rngs):
     kind = cfg.kind(layer)
-    if kind not in ATTENTION:
-        raise NotImplementedError(f"attention.layers: layer {layer} kind {kind!r} is not "
-                                  f"implemented yet (available: {', '.join(ATTENTION)})")
-    return ATTENTION[kind](cfg, rngs)
+    if kind in BASELINE_ATTENTION:
+        return BASELINE_ATTENTION[kind](cfg, rngs)
+    if kind in V4_FAMILY:
+        return V4Attention(cfg, layer, rngs)
+    raise NotImplementedError(f"attention.layers: layer {layer} kind {kind!r} is not "
+                              f"implemented yet")
 
 
 def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
@@ -44,8 +49,8 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
 
-    def __call__(self, x, positions):
-        a, aux = self.attn(self.attn_norm(x), positions)
+    def __call__(self, x, positions, step=None):
+        a, aux = self.attn(self.attn_norm(x), positions, step)
         x = x + a
         return x + self.ffn(self.ffn_norm(x)), aux
 
@@ -64,15 +69,18 @@ class Transformer(nnx.Module):
         self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(m.n_layers)])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
-    def forward(self, tokens):
-        """Teacher-forced forward: (logits [B, T, V], per-layer aux dicts)."""
+    def forward(self, tokens, step=None):
+        """Teacher-forced forward: (logits [B, T, V], per-layer aux dicts).
+
+        `step` (the training step) lets layers run a dense warm-up of their selection.
+        """
         check_tokens(tokens, self.cfg.model.vocab_size)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embedding(tokens)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x, positions)
+            x, aux = block(x, positions, step)
             auxes.append(aux)
         return self.embedding.logits(self.norm(x)), auxes
 
@@ -81,8 +89,13 @@ class Transformer(nnx.Module):
 
     # -- cached execution ----------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int) -> dict:
-        """Empty cache pytree: next position per row and one cache per layer."""
+        """Empty cache pytree: next position per row and one cache per layer.
+
+        `capacity` is a zero-byte array whose shape records max_len, so the cache stays a
+        plain pytree yet knows its size statically.
+        """
         return {"pos": jnp.zeros((batch,), jnp.int32),
+                "capacity": jnp.zeros((max_len, 0), jnp.bool_),
                 "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
 
     def extend(self, tokens, positions, valid, layer_caches):

@@ -41,7 +41,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def loss_fn(model: Transformer, batch: dict, step=None):
     """Mean next-token cross-entropy plus any auxiliary losses the layers report."""
-    logits, auxes = model.forward(batch["inputs"])
+    logits, auxes = model.forward(batch["inputs"], step)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), batch["targets"]).mean()
     metrics = {"ce": ce}

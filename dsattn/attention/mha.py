@@ -46,7 +46,7 @@ class MHA(nnx.Module):
         o = jnp.einsum("bkgqs,bskd->bqkgd", p, v)
         return self.wo(o.reshape(b, tq, self.n_heads * self.head_dim))
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, step=None):
         """Teacher-forced causal attention over x [B, T, D]."""
         q, k, v = self._qkv(x, positions)
         return self._attend(q, k, v, causal_mask(positions, positions)), {}

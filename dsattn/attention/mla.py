@@ -82,22 +82,26 @@ class MLA(nnx.Module):
 
     # -- absorbed path -----------------------------------------------------------------
     def absorbed_scores(self, q_nope, q_pe, lat):
+        """Scores over latents [B, S, dc+dr] shared by all queries, or [B, Tq, K, dc+dr]
+        gathered per query (DSA decode reads only the selected tokens)."""
         w_uk, _ = self._up()
         q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, w_uk)  # fold W^UK into the query
         sd = softmax_dtype(q_nope.dtype)
-        s = jnp.einsum("bqhc,bsc->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
-        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, lat[..., self.dc:],
+        kv = "bsc" if lat.ndim == 3 else "bqsc"
+        s = jnp.einsum(f"bqhc,{kv}->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
+        s = s + jnp.einsum(f"bqhr,{kv.replace('c', 'r')}->bhqs", q_pe, lat[..., self.dc:],
                            preferred_element_type=sd)
         return s * self.scale
 
     def absorbed_output(self, p, lat):
         _, w_uv = self._up()
-        o_lat = jnp.einsum("bhqs,bsc->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
+        kv = "bsc" if lat.ndim == 3 else "bqsc"
+        o_lat = jnp.einsum(f"bhqs,{kv}->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
         o = jnp.einsum("bqhc,chv->bqhv", o_lat, w_uv)  # W^UV after the weighted sum
         return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
 
     # -- entry points ------------------------------------------------------------------
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, step=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
         p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), causal_mask(positions, positions))

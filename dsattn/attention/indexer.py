@@ -1,0 +1,79 @@
+"""The lightning indexer (V3.2 DSA, V4 CSA, V4.1 CSA2): I(t,s) = Σ_j w(t,j)·ReLU(q(t,j)·k(s)),
+top-k over the entries visible at t, and the KL loss that trains it.
+
+The query side (`IndexerQuery`) is the same in every family: per-head queries from the
+attention's query latent with RoPE on their last `rope_dim` dims, and per-head weights from
+x. Keys differ per family and are built by their owners (DSA: LayerNorm(W^K x); CSA: its own
+compressor; CSA2: a projection of the main entry). Top-k is discrete, so the indexer learns
+only from `kl_loss`; its inputs are detached so that loss trains the indexer alone.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsattn.attention.common import softmax_dtype
+from dsattn.nn.layers import dense
+from dsattn.nn.rope import apply_rope_last
+
+
+class IndexerQuery(nnx.Module):
+    def __init__(self, cfg, q_in: int, rngs: nnx.Rngs):
+        ix, m = cfg.indexer, cfg.model
+        dt = jnp.dtype(m.dtype)
+        self.n, self.d, self.rope_dim = ix.n_heads, ix.head_dim, ix.rope_dim
+        self.wq = dense(q_in, self.n * self.d, rngs, dt, m.init_std)
+        self.w_heads = dense(m.d_model, self.n, rngs, dt, m.init_std)
+        self.scale = (self.n ** -0.5) * (self.d ** -0.5)
+
+    def __call__(self, q_latent, x, positions, theta):
+        """Queries [B, T, n, d] and head weights [B, T, n] (inputs detached)."""
+        q_latent, x = jax.lax.stop_gradient(q_latent), jax.lax.stop_gradient(x)
+        b, t = x.shape[:2]
+        q = self.wq(q_latent).reshape(b, t, self.n, self.d)
+        if self.rope_dim:
+            q = apply_rope_last(q, positions, theta, self.rope_dim)
+        return q, self.w_heads(x) * self.scale
+
+
+def scores(q, w, keys):
+    """I [B, T, S] for queries q [B,T,n,d], weights w [B,T,n] and keys [B,S,d]."""
+    sd = softmax_dtype(q.dtype)
+    dots = jnp.einsum("btnd,bsd->btns", q, keys, preferred_element_type=sd)
+    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
+
+
+def select(score, visible, k: int):
+    """Top-k entry indices [B, T, k] among the visible ones, and which picks are real.
+
+    Ties break toward the lowest index (lax.top_k is stable); when fewer than k entries are
+    visible the extra picks are marked invalid.
+    """
+    k = min(k, score.shape[-1])
+    masked = jnp.where(visible, score, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, k)
+    return idx.astype(jnp.int32), vals > -jnp.inf
+
+
+def selection_mask(idx, valid, n: int):
+    """Boolean [B, T, n] with True at the selected entries (training forward)."""
+    one_hot = (idx[..., None] == jnp.arange(n)) & valid[..., None]
+    return jnp.any(one_hot, axis=-2)
+
+
+def kl_loss(score, target_probs, mask):
+    """KL(target || softmax(score)) over masked entries, averaged over queries with any.
+
+    target_probs [B, T, S]: the main attention's probability on each entry, summed over heads
+    (it is renormalised here and carries no gradient).
+    """
+    sd = softmax_dtype(score.dtype)
+    p = jax.lax.stop_gradient(jnp.where(mask, target_probs, 0).astype(sd))
+    total = jnp.sum(p, -1, keepdims=True)
+    has = total[..., 0] > 0
+    p = p / jnp.where(total > 0, total, 1)
+    logq = jax.nn.log_softmax(jnp.where(mask, score.astype(sd), -jnp.inf), axis=-1)
+    logq = jnp.where(mask, logq, 0)
+    logp = jnp.log(jnp.where(p > 0, p, 1))
+    kl = jnp.sum(p * (logp - logq), axis=-1)
+    return jnp.sum(jnp.where(has, kl, 0)) / jnp.maximum(jnp.sum(has), 1)
