@@ -111,3 +111,18 @@ def test_v4_training_lowers_both_losses(tmp_path):
     assert last[0] < first[0] - 1.0, (first, last)
     assert last[1] < first[1], (first, last)
     assert np.isfinite(out["val_loss"])
+
+
+@pytest.mark.parametrize("name, formats", [
+    ("v4", ["cache.local_format=fp8_ue8m0", "cache.main_format=fp4_e4m3",
+            "cache.key_format=fp4_ue8m0"]),
+    ("dsa", ["cache.main_format=fp8_ds_mla", "attention.kv_lora_rank=128",
+             "cache.key_format=fp4_ue8m0", "model.n_layers=2"]),
+    ("mla", ["cache.main_format=fp8_ds_mla", "attention.kv_lora_rank=128", "model.n_layers=2"]),
+    ("mha", ["cache.main_format=bf16", "model.n_layers=2"]),
+])
+def test_quantized_cache_decode_equals_fake_quant_forward(name, formats):
+    """A model whose forward applies the formats' quantize-dequantize decodes from caches
+    stored in those formats with the forward's numbers."""
+    model = tiny_model(name, "cache.fake_quant=true", "attention.top_k=8", *formats)
+    check_decode_matches_forward(model, lengths=[6, 19], n_decode=12, max_len=48, atol=1e-6)

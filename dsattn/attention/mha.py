@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
-from dsattn.cache import contiguous
+from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope
 
@@ -20,6 +20,7 @@ class MHA(nnx.Module):
         self.n_kv = a.n_kv_heads or a.n_heads
         self.theta = a.rope_theta
         self.fmt = cfg.cache.main_format
+        self.fake_quant = cfg.cache.fake_quant
         std = m.init_std
         self.wq = dense(m.d_model, self.n_heads * self.head_dim, rngs, self.dtype, std)
         self.wk = dense(m.d_model, self.n_kv * self.head_dim, rngs, self.dtype, std)
@@ -49,6 +50,8 @@ class MHA(nnx.Module):
     def __call__(self, x, positions, step=None):
         """Teacher-forced causal attention over x [B, T, D]."""
         q, k, v = self._qkv(x, positions)
+        if self.fake_quant:  # the numbers decode will read back from the cache
+            k, v = (formats.quantize_dequantize(self.fmt, t) for t in (k, v))
         return self._attend(q, k, v, causal_mask(positions, positions)), {}
 
     # -- cached path ------------------------------------------------------------------

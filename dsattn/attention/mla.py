@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
-from dsattn.cache import contiguous
+from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.rope import apply_rope
@@ -28,6 +28,7 @@ class MLA(nnx.Module):
         self.theta = a.rope_theta
         self.scale = (self.dn + self.dr) ** -0.5
         self.fmt = cfg.cache.main_format
+        self.fake_quant = cfg.cache.fake_quant
         d, std, dt = m.d_model, m.init_std, self.dtype
         qd = self.h * (self.dn + self.dr)
         if a.q_lora_rank:
@@ -104,6 +105,8 @@ class MLA(nnx.Module):
     def __call__(self, x, positions, step=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
+        if self.fake_quant:  # the numbers decode will read back from the cache
+            lat = formats.quantize_dequantize(self.fmt, lat, self.dr)
         p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), causal_mask(positions, positions))
         return self.naive_output(p, lat), {}
 
