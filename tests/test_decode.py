@@ -39,17 +39,22 @@ def test_prefill_decode_equals_forward(name):
     check_decode_matches_forward(model, lengths=[3, 17, 9], n_decode=6, max_len=32)
 
 
-def test_chunked_prefill_equals_one_prefill():
-    model = tiny_model("mla", "model.n_layers=2")
-    toks = np.random.RandomState(1).randint(0, 256, (2, 20))
+def check_two_chunk_prefill(model, first, second: int, max_len: int, seed: int = 1):
+    """Prefill rows of lengths `first`, then `second` more tokens per row in one chunk (each
+    row continuing at its own position); the last logits must equal the forward's."""
+    first = np.asarray(first)
+    toks = np.random.RandomState(seed).randint(0, 256, (len(first), first.max() + second))
     full = np.asarray(model(jnp.asarray(toks)))
-    cache = generate.init_cache(model, 2, 32)
-    _, cache = generate.prefill(model, toks[:, :8], [8, 5], cache)
-    # second chunk continues each row at its own position
-    second = np.stack([toks[0, 8:20], np.concatenate([toks[1, 5:17]])])
-    logits, cache = generate.prefill(model, second, [12, 12], cache)
-    np.testing.assert_allclose(np.asarray(logits)[0], full[0, 19], atol=1e-9)
-    np.testing.assert_allclose(np.asarray(logits)[1], full[1, 16], atol=1e-9)
+    cache = generate.init_cache(model, len(first), max_len)
+    _, cache = generate.prefill(model, toks[:, : first.max()], first, cache)
+    chunk = np.stack([row[n: n + second] for row, n in zip(toks, first)])
+    logits, cache = generate.prefill(model, chunk, [second] * len(first), cache)
+    want = full[np.arange(len(first)), first + second - 1]
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-9)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    check_two_chunk_prefill(tiny_model("mla", "model.n_layers=2"), [8, 5], 12, max_len=32)
 
 
 def test_decode_step_compiles_once():

@@ -11,7 +11,7 @@ import pytest
 from dsattn import generate, train
 from dsattn.attention import core, indexer
 from tests.conftest import preset, tiny_model
-from tests.test_decode import check_decode_matches_forward
+from tests.test_decode import check_decode_matches_forward, check_two_chunk_prefill
 
 
 @pytest.mark.parametrize("name", ["dsa", "v4"])
@@ -23,15 +23,8 @@ def test_prefill_decode_equals_forward(name):
 
 
 def test_v4_chunked_prefill_equals_forward():
-    model = tiny_model("v4", "attention.top_k=8")
-    toks = np.random.RandomState(3).randint(0, 256, (2, 60))
-    full = np.asarray(model(jnp.asarray(toks)))
-    cache = generate.init_cache(model, 2, 64)
-    _, cache = generate.prefill(model, toks[:, :21], [21, 13], cache)  # ends mid-span
-    second = np.stack([toks[0, 21:59], toks[1, 13:51]])
-    logits, cache = generate.prefill(model, second, [38, 38], cache)  # chunk longer than W
-    np.testing.assert_allclose(np.asarray(logits)[0], full[0, 58], atol=1e-9)
-    np.testing.assert_allclose(np.asarray(logits)[1], full[1, 50], atol=1e-9)
+    # the first chunk ends mid-span; the second is longer than the window W = 16
+    check_two_chunk_prefill(tiny_model("v4", "attention.top_k=8"), [21, 13], 38, max_len=64)
 
 
 @pytest.mark.parametrize("name", ["v4", "dsa"])
