@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsattn.cache import paged
 from dsattn.model import Transformer, check_tokens
 
 MIN_BUCKET = 16
@@ -97,7 +98,17 @@ def prefill(model: Transformer, tokens, lengths, cache, replay=None):
     padded = np.zeros((b, width), np.int32)
     padded[:, : min(t, width)] = tokens[:, :width]
     graphdef, state = nnx.split(model)
-    return _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache)
+    logits, cache = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths),
+                                 cache)
+    check_cache(cache)
+    return logits, cache
+
+
+def check_cache(cache) -> None:
+    """Raise paged.CacheExhausted if any layer's global page pool ran out (host sync)."""
+    for layer in cache["layers"]:
+        if "global" in layer:
+            paged.check(layer["global"])
 
 
 def decode_step(model: Transformer, next_tokens, cache):
@@ -186,4 +197,5 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
         if done.all() or step == max_new_tokens - 1:
             break
         logits, cache = decode_step(model, nxt, cache)
+        check_cache(cache)  # cheap: this loop syncs on the sampled tokens anyway
     return outputs

@@ -54,3 +54,15 @@ def test_replay_without_ced_is_refused():
     cache = generate.init_cache(model, 1, 16)
     with pytest.raises(ValueError, match="ced_split"):
         generate.prefill(model, np.ones((1, 4), int), [4], cache, replay=2)
+
+
+def test_exhausted_page_pool_is_an_error():
+    from dsattn.cache import paged
+
+    model = tiny_model("dsa", "model.n_layers=1")
+    cache = generate.init_cache(model, 2, 64)
+    layer = model.blocks[0].attn
+    # a pool of 3 pages of 16 tokens shared by two rows that need 2 pages each
+    cache["layers"][0]["global"] = paged.empty(layer.fields, 2, 64, 16, layer.dtype, n_pages=3)
+    with pytest.raises(paged.CacheExhausted, match="pool exhausted"):
+        generate.prefill(model, np.ones((2, 20), int), [20, 20], cache)
