@@ -108,8 +108,8 @@ class IndexerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    local_format: str = "native"  # window / per-token KV (mha, mla)
-    main_format: str = "native"  # compressed entries (and MLA latents)
+    local_format: str = "native"  # V4-family window (ring buffer)
+    main_format: str = "native"  # compressed entries, MLA latents, MHA K/V
     key_format: str = "native"  # indexer search keys
     page_size: int = 16  # entries per page of the global (paged) cache
     fake_quant: bool = False  # apply the formats' quantize-dequantize in the training forward
