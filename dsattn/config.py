@@ -483,42 +483,29 @@ def validate(cfg: Config) -> None:
 
 
 def _check_sharing(cfg: Config) -> None:
-    """A borrowing layer needs an earlier source in its own half of a CED stack."""
+    """A borrowing layer needs an earlier Full layer in its own half of a CED stack, with
+    the same ratio (it reads that layer's entries)."""
     a = cfg.attention
-    split = a.ced_split
-    last_full = last_select = None
-    for i, k in enumerate(a.layers):
-        if split and i == split:  # the decoder never borrows from the encoder
-            last_full = last_select = None
-        if k == "full":
-            last_full = last_select = i
-        elif k == "reindex":
-            if last_full is None:
-                raise ConfigError(
-                    f"attention.layers: layer {i} is 'reindex' but no earlier 'full' layer "
-                    f"(in its half of the stack) provides entries to borrow"
-                )
-            if a.ratios[i] != a.ratios[last_full]:
-                raise ConfigError(
-                    f"attention.ratios: layer {i} borrows from layer {last_full} and must "
-                    f"share its ratio ({a.ratios[last_full]}), got {a.ratios[i]}"
-                )
-            last_select = i
-        elif k == "reuse":
-            if last_full is None:
-                raise ConfigError(
-                    f"attention.layers: layer {i} is 'reuse' but no earlier 'full' layer "
-                    f"(in its half of the stack) provides entries to borrow"
-                )
-            if a.ratios[i] != a.ratios[last_full]:
-                raise ConfigError(
-                    f"attention.ratios: layer {i} borrows from layer {last_full} and must "
-                    f"share its ratio ({a.ratios[last_full]}), got {a.ratios[i]}"
-                )
+    for i, (src, _) in enumerate(sharing_sources(cfg)):
+        kind = a.layers[i]
+        if kind not in ("reindex", "reuse"):
+            continue
+        if src is None:
+            raise ConfigError(
+                f"attention.layers: layer {i} is '{kind}' but no earlier 'full' layer "
+                f"(in its half of the stack) provides entries to borrow")
+        if a.ratios[i] != a.ratios[src]:
+            raise ConfigError(
+                f"attention.ratios: layer {i} borrows from layer {src} and must share its "
+                f"ratio ({a.ratios[src]}), got {a.ratios[i]}")
 
 
 def sharing_sources(cfg: Config) -> list[tuple[int | None, int | None]]:
-    """Per layer: (layer whose global KV it reads, layer whose selection it reuses)."""
+    """Per layer: (layer whose global KV it reads, layer whose selection it reuses).
+
+    Under CED the decoder never borrows from the encoder. None where nothing is borrowed
+    (or, for a malformed plan, where no source exists).
+    """
     a = cfg.attention
     out, last_full, last_select = [], None, None
     for i, k in enumerate(a.layers):

@@ -9,6 +9,7 @@ compiles stay bounded, and ``decode_step`` compiles once per (config, batch, max
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,26 @@ from dsattn.cache import paged
 from dsattn.model import Transformer, check_tokens
 
 MIN_BUCKET = 16
+
+
+class Bound(NamedTuple):
+    """A model split once into (graphdef, state): a snapshot for a generation loop.
+
+    `nnx.split` walks the whole module graph (about 5 ms for a tiny model, several times a
+    tiny decode step), so loops bind once and pass the Bound to prefill/decode_step.
+    Later in-place changes to the model's weights are not seen by an existing Bound.
+    """
+
+    graphdef: Any
+    state: Any
+    cfg: Any
+
+
+def bind(model) -> Bound:
+    if isinstance(model, Bound):
+        return model
+    graphdef, state = nnx.split(model)
+    return Bound(graphdef, state, model.cfg)
 
 
 def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
@@ -68,7 +89,7 @@ def decode_compilations() -> int:
     return _decode_jit._cache_size()
 
 
-def prefill(model: Transformer, tokens, lengths, cache, replay=None):
+def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None):
     """Append each row's prompt to its cache; return next-token logits [B, V] and the cache.
 
     tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
@@ -97,9 +118,9 @@ def prefill(model: Transformer, tokens, lengths, cache, replay=None):
     width = bucket_length(int(lengths.max(initial=1)), max_len)
     padded = np.zeros((b, width), np.int32)
     padded[:, : min(t, width)] = tokens[:, :width]
-    graphdef, state = nnx.split(model)
-    logits, cache = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths),
-                                 cache)
+    m = bind(model)
+    logits, cache = _prefill_jit(m.graphdef, m.state, jnp.asarray(padded),
+                                 jnp.asarray(lengths), cache)
     check_cache(cache)
     return logits, cache
 
@@ -111,7 +132,7 @@ def check_cache(cache) -> None:
             paged.check(layer["global"])
 
 
-def decode_step(model: Transformer, next_tokens, cache):
+def decode_step(model: Transformer | Bound, next_tokens, cache):
     """Append one token per row; return next-token logits [B, V] and the updated cache.
 
     Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
@@ -120,9 +141,9 @@ def decode_step(model: Transformer, next_tokens, cache):
     if not isinstance(next_tokens, jax.Array):
         check_tokens(next_tokens, model.cfg.model.vocab_size, "next_tokens")
     tokens = jnp.asarray(next_tokens, jnp.int32).reshape(-1, 1)
-    graphdef, state = nnx.split(model)
+    m = bind(model)
     ones = jnp.ones((tokens.shape[0],), jnp.int32)
-    return _decode_jit(graphdef, state, tokens, ones, cache)
+    return _decode_jit(m.graphdef, m.state, tokens, ones, cache)
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -173,6 +194,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     cache = init_cache(model, b, max_len)
+    model = bind(model)  # split once for the whole loop
     logits, cache = prefill(model, tokens, [len(p) for p in prompts], cache)
     key = jax.random.PRNGKey(seed)
     outputs: list[list[int]] = [[] for _ in range(b)]

@@ -27,7 +27,7 @@ class DSA(MLA):
         dt = jnp.dtype(m.dtype)
         self.top_k, self.loss_weight = cfg.attention.top_k, ix.loss_weight
         self.warmup = ix.dense_warmup_steps
-        self.key_rope, self.key_dim = ix.rope_dim, ix.head_dim
+        self.key_rope = ix.rope_dim
         self.page_size = cfg.cache.page_size
         self.fake_quant = cfg.cache.fake_quant
         self.fields = FrozenDict({  # hashable: module attributes are static under jit

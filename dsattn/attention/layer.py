@@ -66,9 +66,9 @@ class V4Attention(nnx.Module):
         return formats.quantize_dequantize(fmt, v, rope) if self.fake_quant else v
 
     def _entries(self, comp, pre_rope, index, rope_dim, field):
-        ent = comp.rope_entries(pre_rope, index, rope_dim, self.theta)
+        """Entries after RoPE, rounded as the cache will store them when fake-quantizing."""
         f = self.fields[field]
-        return ent if not self.fake_quant else formats.quantize_dequantize(f.fmt, ent, f.rope)
+        return self._qdq(f.fmt, comp.rope_entries(pre_rope, index, rope_dim, self.theta), f.rope)
 
     def _n_visible(self, positions):
         """Complete entries at each query position: entry j is visible iff j < (t+1)//m."""
