@@ -185,7 +185,8 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
         raise ValueError("generate: every prompt needs at least one token")
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens
-    max_len = max_len or need
+    # Default cache length: a power of two, so repeated calls share compiled programs.
+    max_len = max_len or max(64, 1 << (need - 1).bit_length())
     if need > max_len:
         raise ValueError(f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
                          f"exceeds max_len {max_len}")

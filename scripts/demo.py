@@ -41,9 +41,10 @@ def main(argv=None):
     model, cfg, step = checkpoint.load_params(run_dir)
     prompt = data.encode(PROMPT).tolist()
     n_new = 160
-    generate.generate(model, [prompt], 4)  # compile prefill and decode once
+    sampling = dict(temperature=0.7, top_p=0.95, seed=1)
+    generate.generate(model, [prompt], n_new, **sampling)  # compile prefill and decode once
     t1 = time.perf_counter()
-    toks = generate.generate(model, [prompt], n_new, temperature=0.7, top_p=0.95, seed=1)[0]
+    toks = generate.generate(model, [prompt], n_new, **sampling)[0]
     dt = time.perf_counter() - t1
     print(f"\nsample (temperature 0.7, top-p 0.95) from checkpoint step {step}:\n")
     print(PROMPT + data.decode(toks))
