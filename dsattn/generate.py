@@ -63,15 +63,15 @@ def bucket_length(n: int, max_len: int) -> int:
     return max(n, min(b, max_len))
 
 
-def _extend_impl(graphdef, state, tokens, n_new, cache):
+def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None):
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     start = cache["pos"]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     valid = jnp.arange(t)[None] < n_new[:, None]
-    h, layers = model.extend(tokens, positions, valid, cache["layers"])
-    last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return model.logits(last), {**cache, "pos": start + n_new, "layers": layers}
+    h, layers, evals = model.extend(tokens, positions, valid, cache["layers"], replay)
+    return model.logits(h), {**cache, "pos": start + n_new, "layers": layers,
+                             "evaluations": cache["evaluations"] + evals}
 
 
 def _decode_impl(graphdef, state, tokens, n_new, cache):
@@ -80,7 +80,7 @@ def _decode_impl(graphdef, state, tokens, n_new, cache):
 
 # Two jitted entry points (distinct functions, so jit caches them apart): decode's compile
 # count stands alone.
-_prefill_jit = jax.jit(_extend_impl, static_argnums=0, donate_argnums=4)
+_prefill_jit = jax.jit(_extend_impl, static_argnums=(0, 5), donate_argnums=4)
 _decode_jit = jax.jit(_decode_impl, static_argnums=0, donate_argnums=4)
 
 
@@ -93,11 +93,12 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None):
     """Append each row's prompt to its cache; return next-token logits [B, V] and the cache.
 
     tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
-    A row with length 0 is left untouched (its logits are meaningless).
+    A row with length 0 is left untouched (its logits are meaningless). `replay=R` (CED
+    configs) runs the decoder over only each row's last R prompt positions (True: R =
+    attention.window); local KV before them is absent, so logits deviate from exact prefill
+    unless R covers the prompt. `cache["evaluations"]` counts (position, layer) evaluations.
     """
-    if replay is not None:
-        raise ValueError("prefill(replay=...) needs a causal encoder-decoder config "
-                         "(attention.ced_split > 0); this model has none")
+    replay = _check_replay(model.cfg, replay)
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens: expected [batch, time], got shape {tokens.shape}")
@@ -120,9 +121,29 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None):
     padded[:, : min(t, width)] = tokens[:, :width]
     m = bind(model)
     logits, cache = _prefill_jit(m.graphdef, m.state, jnp.asarray(padded),
-                                 jnp.asarray(lengths), cache)
+                                 jnp.asarray(lengths), cache, replay)
     check_cache(cache)
     return logits, cache
+
+
+def _check_replay(cfg, replay):
+    """None (exact prefill) or the replay length R; True means R = window."""
+    if replay is None or replay is False:
+        return None
+    a = cfg.attention
+    if not a.ced_split:
+        raise ValueError("prefill(replay=...) needs a causal encoder-decoder config "
+                         "(attention.ced_split > 0); this model has none")
+    replay = a.window if replay is True else int(replay)
+    if replay < 1:
+        raise ValueError(f"prefill: replay must be >= 1 positions, got {replay}")
+    bad = [(i, k) for i, k in enumerate(a.layers[a.ced_split:], a.ced_split)
+           if k not in ("swa", "full", "reindex", "reuse")]
+    if bad:
+        raise ValueError(f"prefill(replay=...): decoder layer {bad[0][0]} ({bad[0][1]}) would "
+                         f"miss global KV for skipped positions; only swa/full/reindex/reuse "
+                         f"decoders can replay")
+    return replay
 
 
 def check_cache(cache) -> None:

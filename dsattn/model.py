@@ -17,7 +17,7 @@ from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
 
 BASELINE_ATTENTION = {"mha": MHA, "mla": MLA, "dsa": DSA}
-V4_FAMILY = ("swa", "hca", "csa")
+V4_FAMILY = ("swa", "hca", "csa", "full", "reindex", "reuse")
 
 
 def make_attention(cfg: Config, layer: int, rngs: nnx.Rngs):
@@ -49,8 +49,8 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
 
-    def __call__(self, x, positions, step=None):
-        a, aux = self.attn(self.attn_norm(x), positions, step)
+    def __call__(self, x, positions, step=None, ctx=None):
+        a, aux = self.attn(self.attn_norm(x), positions, step, ctx)
         x = x + a
         return x + self.ffn(self.ffn_norm(x)), aux
 
@@ -78,9 +78,11 @@ class Transformer(nnx.Module):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embedding(tokens)
-        auxes = []
-        for block in self.blocks:
-            x, aux = block(x, positions, step)
+        auxes, ctx = [], {}
+        for i, block in enumerate(self.blocks):
+            if i == self.cfg.attention.ced_split and i:  # decoder: global KV from the encoder
+                ctx = {"encoder_out": x}
+            x, aux = block(x, positions, step, ctx)
             auxes.append(aux)
         return self.embedding.logits(self.norm(x)), auxes
 
@@ -96,20 +98,42 @@ class Transformer(nnx.Module):
         """
         return {"pos": jnp.zeros((batch,), jnp.int32),
                 "capacity": jnp.zeros((max_len, 0), jnp.bool_),
+                "evaluations": jnp.zeros((), jnp.int32),  # (position, layer) pairs run
                 "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
 
-    def extend(self, tokens, positions, valid, layer_caches):
-        """Run new tokens [B, T] at `positions` through every layer, updating the caches.
+    def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None):
+        """Run new tokens [B, T] at `positions` (where `valid`) through the stack.
 
-        Returns final hidden states [B, T, D] (after the last norm) and the new caches.
+        With `replay=R` (CED only) the encoder runs over every position and the decoder only
+        over each row's last R valid positions; decoder full layers still compress the
+        encoder output of every position. Returns the last valid position's final hidden
+        state per row [B, D], the new caches, and the number of (position, layer)
+        evaluations.
         """
+        split = self.cfg.attention.ced_split
         x = self.embedding(tokens)
         ctx: dict = {}
-        new = []
-        for block, cache in zip(self.blocks, layer_caches):
+        new, evals = [], jnp.int32(0)
+        for i, (block, cache) in enumerate(zip(self.blocks, layer_caches)):
+            if split and i == split:
+                ctx = {"encoder_out": (x, positions, valid)}
+                if replay is not None:
+                    x, positions, valid = _last_positions(x, positions, valid, replay)
             x, cache = block.extend(x, positions, valid, cache, ctx)
+            evals = evals + jnp.sum(valid, dtype=jnp.int32)
             new.append(cache)
-        return self.norm(x), tuple(new)
+        last = jnp.maximum(jnp.sum(valid, -1) - 1, 0)
+        h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+        return self.norm(h), tuple(new), evals
 
     def logits(self, h):
         return self.embedding.logits(h)
+
+
+def _last_positions(x, positions, valid, r: int):
+    """Each row's last r valid positions (valid ones form a prefix): [B, r] slices."""
+    n = jnp.sum(valid, -1)
+    start = jnp.maximum(n - r, 0)
+    idx = jnp.minimum(start[:, None] + jnp.arange(r), x.shape[1] - 1)
+    take = lambda a: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), 1)
+    return take(x), take(positions), jnp.arange(r)[None] < jnp.minimum(n, r)[:, None]

@@ -48,7 +48,7 @@ class DSA(MLA):
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
         return k
 
-    def __call__(self, x, positions, step=None):
+    def __call__(self, x, positions, step=None, ctx=None):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
         lat = self._qdq("latent", self.latents(x, positions))

@@ -77,3 +77,29 @@ def kl_loss(score, target_probs, mask):
     logp = jnp.log(jnp.where(p > 0, p, 1))
     kl = jnp.sum(p * (logp - logq), axis=-1)
     return jnp.sum(jnp.where(has, kl, 0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+# -- hierarchical indexer (V4.1 decoder): a candidate pool of blocks ------------------------
+def block_scores(score, visible, block: int):
+    """Max visible score in each block of `block` consecutive entries: [B, T, ceil(N/block)]."""
+    n = score.shape[-1]
+    nb = -(-n // block)
+    s = jnp.where(visible, score, -jnp.inf)
+    s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, nb * block - n)], constant_values=-jnp.inf)
+    return jnp.max(s.reshape(s.shape[:-1] + (nb, block)), axis=-1)
+
+
+def candidate_pool(score, visible, n_visible, block: int, n_blocks: int):
+    """Entry ids [B, T, n_blocks·block] of the pool and which are real candidates.
+
+    The pool is the `n_blocks` blocks with the highest block maximum; the block holding the
+    newest visible entry is always in it (pinned with +inf), counted within `n_blocks`.
+    """
+    bs = block_scores(score, visible, block)
+    newest = (n_visible - 1) // block
+    pinned = (jnp.arange(bs.shape[-1]) == newest[..., None]) & (n_visible[..., None] > 0)
+    bs = jnp.where(pinned, jnp.inf, bs)
+    vals, ids = jax.lax.top_k(bs, min(n_blocks, bs.shape[-1]))
+    idx = ids[..., None] * block + jnp.arange(block)
+    ok = (vals > -jnp.inf)[..., None] & (idx < n_visible[..., None, None])
+    return idx.reshape(idx.shape[:-2] + (-1,)).astype(jnp.int32), ok.reshape(ok.shape[:-2] + (-1,))

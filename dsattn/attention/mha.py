@@ -47,7 +47,7 @@ class MHA(nnx.Module):
         o = jnp.einsum("bkgqs,bskd->bqkgd", p, v)
         return self.wo(o.reshape(b, tq, self.n_heads * self.head_dim))
 
-    def __call__(self, x, positions, step=None):
+    def __call__(self, x, positions, step=None, ctx=None):
         """Teacher-forced causal attention over x [B, T, D]."""
         q, k, v = self._qkv(x, positions)
         if self.fake_quant:  # the numbers decode will read back from the cache

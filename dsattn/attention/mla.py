@@ -102,7 +102,7 @@ class MLA(nnx.Module):
         return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
 
     # -- entry points ------------------------------------------------------------------
-    def __call__(self, x, positions, step=None):
+    def __call__(self, x, positions, step=None, ctx=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
         if self.fake_quant:  # the numbers decode will read back from the cache
