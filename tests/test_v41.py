@@ -1,0 +1,133 @@
+"""V4.1: CSA2 with Full/Reindex/Reuse sharing, the hierarchical indexer, CED, and exact vs
+bounded-replay prefill."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsattn import generate, train
+from dsattn.attention import indexer
+from tests.conftest import preset, tiny_model
+from tests.test_decode import check_decode_matches_forward
+
+VARIANTS = [(), ("attention.sharing=false",), ("attention.pool_blocks=0",),
+            ("attention.ced_split=0",)]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["v41", "no-sharing", "no-pool", "no-ced"])
+def test_prefill_decode_equals_forward(overrides):
+    # top_k 8 < visible entries; pool 3 blocks x 4 < visible decoder entries; W = 16 wraps
+    model = tiny_model("v41", *overrides)
+    check_decode_matches_forward(model, lengths=[5, 33, 19], n_decode=14, max_len=48)
+
+
+def _walk(model, tokens):
+    """Run the training forward block by block, recording ctx before and after each layer."""
+    cfg = model.cfg
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x, ctx, seen = model.embedding(tokens), {}, []
+    for i, block in enumerate(model.blocks):
+        if i == cfg.attention.ced_split:
+            ctx = {"encoder_out": x}
+        before = dict(ctx)
+        x, _ = block(x, positions, None, ctx)
+        seen.append((cfg.kind(i), before, dict(ctx)))
+    return seen
+
+
+def test_reuse_borrows_entries_and_selection_reindex_reselects():
+    model = tiny_model("v41")
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, 256, (2, 40)))
+    seen = _walk(model, toks)
+    kinds = [k for k, _, _ in seen]
+    assert kinds.count("reuse") == 5 and kinds.count("reindex") == 1
+    for i, (kind, before, after) in enumerate(seen):
+        if kind == "reuse":  # same entries object, same selection object: nothing recomputed
+            assert after["shared"] is before["shared"]
+            assert after["selection"] is before["selection"]
+            layer = model.blocks[i].attn
+            assert layer.compressor is None and layer.index_q is None
+        if kind == "reindex":
+            assert after["shared"] is before["shared"]
+            assert not bool(jnp.all(after["selection"] == before["selection"]))
+        if kind == "full" and i >= model.cfg.attention.ced_split:
+            assert "pool" in after  # the decoder full layer builds the candidate pool
+
+
+@pytest.mark.parametrize("overrides, owners", [((), 2), (("attention.sharing=false",), 8)])
+def test_only_full_layers_own_pages(overrides, owners):
+    cfg = preset("v41", *overrides)
+    cache = jax.eval_shape(lambda: generate.init_cache(cfg, 2, 64))
+    owning = [i for i, c in enumerate(cache["layers"]) if "global" in c]
+    assert owning == [i for i, k in enumerate(cfg.attention.layers) if k == "full"]
+    assert len(owning) == owners
+
+
+def test_pool_covering_all_blocks_equals_flat_indexer():
+    toks = jnp.asarray(np.random.RandomState(1).randint(0, 256, (2, 40)))
+    flat = tiny_model("v41", "attention.pool_blocks=0")
+    covering = tiny_model("v41", "attention.pool_blocks=64")  # 64 blocks x 4 >= 40 entries
+    narrow = tiny_model("v41", "attention.pool_blocks=1")
+    np.testing.assert_allclose(covering(toks), flat(toks), atol=1e-12)
+    assert float(jnp.max(jnp.abs(narrow(toks) - flat(toks)))) > 1e-6  # the pool matters
+
+
+def test_newest_block_is_always_in_the_pool():
+    rng = np.random.RandomState(0)
+    n_vis = jnp.asarray([[5, 13, 20]])  # per query: visible entries
+    score = jnp.asarray(rng.rand(1, 3, 24))
+    score = score.at[0, :, 12:].set(-1.0)  # make the newest blocks score worst
+    visible = jnp.arange(24) < n_vis[..., None]
+    idx, ok = indexer.candidate_pool(score, visible, n_vis, block=4, n_blocks=2)
+    for t, n in enumerate([5, 13, 20]):
+        picked = set(np.asarray(idx[0, t])[np.asarray(ok[0, t])].tolist())
+        newest = (n - 1) // 4
+        assert set(range(newest * 4, n)) <= picked  # the newest block's visible entries
+        assert all(i < n for i in picked)
+
+
+def test_replay_covering_the_prompt_equals_exact_prefill():
+    model = tiny_model("v41")
+    toks = np.random.RandomState(2).randint(0, 256, (2, 40))
+    lengths = [40, 27]
+    exact, c1 = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64))
+    replay, c2 = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64),
+                                  replay=40)
+    np.testing.assert_allclose(replay, exact, atol=1e-10)
+    # and decoding continues identically
+    nxt = np.array([3, 4])
+    a, _ = generate.decode_step(model, nxt, c1)
+    b, _ = generate.decode_step(model, nxt, c2)
+    np.testing.assert_allclose(a, b, atol=1e-10)
+
+
+def test_replay_evaluation_count():
+    model = tiny_model("v41")
+    cfg = model.cfg
+    enc, dec = cfg.attention.ced_split, cfg.model.n_layers - cfg.attention.ced_split
+    w = cfg.attention.window
+    toks = np.random.RandomState(3).randint(0, 256, (2, 48))
+    lengths = [48, 35]
+    _, cache = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64),
+                                replay=True)
+    assert int(cache["evaluations"]) == enc * sum(lengths) + dec * 2 * w
+    _, cache = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64))
+    assert int(cache["evaluations"]) == (enc + dec) * sum(lengths)
+
+
+def test_replay_is_refused_without_ced():
+    model = tiny_model("v41", "attention.ced_split=0")
+    with pytest.raises(ValueError, match="ced_split"):
+        generate.prefill(model, np.ones((1, 4), int), [4], generate.init_cache(model, 1, 16),
+                         replay=2)
+
+
+def test_v41_training_lowers_loss(tmp_path):
+    cfg = preset("v41", "train.batch_size=4", "train.seq_len=64", "train.steps=30",
+                 "train.eval_every=30", "train.ckpt_every=30", "train.eval_batches=2",
+                 "train.log_every=1", "indexer.dense_warmup_steps=5")
+    tr = train.Trainer(cfg, tmp_path, quiet=True)
+    before = tr.validation_loss()
+    out = tr.run()
+    assert out["val_loss"] < before - 0.5
