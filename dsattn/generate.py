@@ -46,7 +46,8 @@ def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
     """An empty cache for `batch` rows of up to `max_len` tokens (shapes only from cfg)."""
     if isinstance(cfg_or_model, Transformer):
         return cfg_or_model.init_cache(batch, max_len)
-    model = nnx.eval_shape(lambda: Transformer(cfg_or_model, rngs=nnx.Rngs(0)))
+    cfg = cfg_or_model.cfg if isinstance(cfg_or_model, Bound) else cfg_or_model
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return model.init_cache(batch, max_len)
 
 

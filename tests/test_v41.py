@@ -131,3 +131,19 @@ def test_v41_training_lowers_loss(tmp_path):
     before = tr.validation_loss()
     out = tr.run()
     assert out["val_loss"] < before - 0.5
+
+
+def test_replay_report_script_runs(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_report", "scripts/replay_report.py")
+    replay_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay_report)
+    rows = replay_report.main(["configs/tiny/v41.yaml", "model.n_layers=4",
+                               "attention.layers=swa, full, full, reuse",
+                               "attention.ratios=0, 2, 1, 1", "attention.ced_split=2",
+                               "--prompt-len", "24", "--prompts", "2", "--replays", "4,24",
+                               "--timing-len", "0", "--out", str(tmp_path / "r.json")])
+    assert rows[-1]["max_abs_logit"] < 1e-4  # R covering the prompt reproduces exact
+    assert rows[0]["evaluations_per_prompt"] == rows[0]["formula"] == 2 * 24 + 2 * 4
+    assert (tmp_path / "r.json").exists()
