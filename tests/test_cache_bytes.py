@@ -56,7 +56,7 @@ def test_tiny_cache_bytes_equal_formula(name, formats):
     assert local == kvbytes.local_bytes(cfg)
 
 
-@pytest.mark.parametrize("name", ["v3_2", "v4_flash"])
+@pytest.mark.parametrize("name", ["mha_v2dims", "v2", "v3", "v3_2", "v4_flash", "v4_1_flash"])
 def test_full_size_cache_bytes_equal_formula_abstractly(name):
     cfg = config.load(os.path.join(ROOT, "configs/deepseek", f"{name}.yaml"))
     per_layer, local = measured(cfg, 8192)
