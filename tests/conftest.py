@@ -27,3 +27,15 @@ def tiny_model(name: str, *overrides: str, seed: int = 0):
     """A float64 model of a tiny preset (cached: building one costs seconds on CPU)."""
     cfg = preset(name, "model.dtype=float64", *overrides)
     return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+_forward_jit = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens),
+                       static_argnums=0)
+
+
+def forward(model, tokens):
+    """The teacher-forced forward, jitted (eager dispatch is ~6x slower for these models)."""
+    import jax.numpy as jnp
+
+    graphdef, state = nnx.split(model)
+    return _forward_jit(graphdef, state, jnp.asarray(tokens))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsattn import generate
-from tests.conftest import tiny_model
+from tests.conftest import forward, tiny_model
 
 BASELINES = ["mha", "gqa", "mqa", "mla"]
 
@@ -18,7 +18,7 @@ def check_decode_matches_forward(model, lengths, n_decode, max_len, seed=0, atol
     total = max(lengths) + n_decode
     vocab = model.cfg.model.vocab_size
     toks = np.random.RandomState(seed).randint(0, vocab, (b, total))
-    full = np.asarray(model(jnp.asarray(toks)))
+    full = np.asarray(forward(model, toks))
     lengths = np.asarray(lengths)
     cache = generate.init_cache(model, b, max_len)
     logits, cache = generate.prefill(model, toks[:, : lengths.max()], lengths, cache)
@@ -44,7 +44,7 @@ def check_two_chunk_prefill(model, first, second: int, max_len: int, seed: int =
     row continuing at its own position); the last logits must equal the forward's."""
     first = np.asarray(first)
     toks = np.random.RandomState(seed).randint(0, 256, (len(first), first.max() + second))
-    full = np.asarray(model(jnp.asarray(toks)))
+    full = np.asarray(forward(model, toks))
     cache = generate.init_cache(model, len(first), max_len)
     _, cache = generate.prefill(model, toks[:, : first.max()], first, cache)
     chunk = np.stack([row[n: n + second] for row, n in zip(toks, first)])
@@ -85,7 +85,7 @@ def test_generate_greedy_matches_argmax_of_forward():
     for p, out in zip(prompts, outs):
         seq = list(p)
         for tok in out:
-            logits = np.asarray(model(jnp.asarray([seq])))[0, -1]
+            logits = np.asarray(forward(model, [seq]))[0, -1]
             assert tok == int(np.argmax(logits))
             seq.append(tok)
 

@@ -10,7 +10,7 @@ import pytest
 
 from dsattn import generate, train
 from dsattn.attention import core, indexer
-from tests.conftest import preset, tiny_model
+from tests.conftest import forward, preset, tiny_model
 from tests.test_decode import check_decode_matches_forward, check_two_chunk_prefill
 
 
@@ -33,11 +33,11 @@ def test_future_tokens_never_leak(name):
     span completes, and top-k never reaches ahead."""
     model = tiny_model(name, "attention.top_k=4")
     toks = np.random.RandomState(0).randint(0, 256, (1, 48))
-    base = np.asarray(model(jnp.asarray(toks)))
+    base = np.asarray(forward(model, toks))
     for t in (2, 15, 30, 33):  # inside spans and on span ends (m=4, m'=16)
         other = toks.copy()
         other[0, t + 1:] = (other[0, t + 1:] + 7) % 256
-        np.testing.assert_array_equal(np.asarray(model(jnp.asarray(other)))[0, : t + 1],
+        np.testing.assert_array_equal(np.asarray(forward(model, other))[0, : t + 1],
                                       base[0, : t + 1])
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from dsattn import generate, train
 from dsattn.attention import indexer
-from tests.conftest import preset, tiny_model
+from tests.conftest import forward, preset, tiny_model
 from tests.test_decode import check_decode_matches_forward
 
 VARIANTS = [(), ("attention.sharing=false",), ("attention.pool_blocks=0",),
@@ -69,8 +69,8 @@ def test_pool_covering_all_blocks_equals_flat_indexer():
     flat = tiny_model("v41", "attention.pool_blocks=0")
     covering = tiny_model("v41", "attention.pool_blocks=64")  # 64 blocks x 4 >= 40 entries
     narrow = tiny_model("v41", "attention.pool_blocks=1")
-    np.testing.assert_allclose(covering(toks), flat(toks), atol=1e-12)
-    assert float(jnp.max(jnp.abs(narrow(toks) - flat(toks)))) > 1e-6  # the pool matters
+    np.testing.assert_allclose(forward(covering, toks), forward(flat, toks), atol=1e-12)
+    assert float(jnp.max(jnp.abs(forward(narrow, toks) - forward(flat, toks)))) > 1e-6  # the pool matters
 
 
 def test_newest_block_is_always_in_the_pool():
