@@ -29,6 +29,8 @@ class DSA(MLA):
         self.warmup = ix.dense_warmup_steps
         self.key_rope = ix.rope_dim
         self.page_size = cfg.cache.page_size
+        self.impl = indexer.resolve_impl(ix.impl, cfg.cache.key_format)
+        self.interpret = ix.interpret
         self.fake_quant = cfg.cache.fake_quant
         self.fields = FrozenDict({  # hashable: module attributes are static under jit
             "latent": paged.Field(cfg.cache.main_format, self.dc + self.dr, self.dr),
@@ -72,11 +74,10 @@ class DSA(MLA):
         q_nope, q_pe = self.queries(cq, positions)
         new = {"latent": self.latents(x, positions), "key": self.index_keys(x, positions)}
         g = paged.append(cache["global"], self.fields, new, jnp.sum(valid, -1, dtype=jnp.int32))
-        keys, stored = paged.read_all(g, self.fields, "key", self.dtype)
         iq, w = self.index_q(cq, x, positions, self.theta)
-        score = indexer.scores(iq, w, keys)
-        visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) <= positions[..., None])
-        idx, ok = indexer.select(score, visible, self.top_k)
+        score = indexer.paged_scores(iq, w, g, self.fields, positions + 1, self.impl,
+                                     self.interpret, self.dtype)
+        idx, ok = indexer.select(score, score > -jnp.inf, self.top_k)
         lat, _ = paged.gather(g, self.fields, "latent", idx, self.dtype)  # only the top-k
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), ok)
         return self.absorbed_output(p, lat), {"global": g}

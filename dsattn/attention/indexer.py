@@ -103,3 +103,38 @@ def candidate_pool(score, visible, n_visible, block: int, n_blocks: int):
     idx = ids[..., None] * block + jnp.arange(block)
     ok = (vals > -jnp.inf)[..., None] & (idx < n_visible[..., None, None])
     return idx.reshape(idx.shape[:-2] + (-1,)).astype(jnp.int32), ok.reshape(ok.shape[:-2] + (-1,))
+
+
+# -- the score pass over the paged global cache, through the configured implementation -----
+def resolve_impl(impl: str, key_format: str) -> str:
+    """`auto`: the compiled kernel on TPU, the XLA path elsewhere (CPU, and GPU until its
+    kernel lands). Raises for a path that cannot run this config."""
+    from dsattn.kernels.indexer_score import KERNEL_FORMATS
+
+    if impl == "auto":
+        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+        if impl == "pallas_tpu" and key_format not in KERNEL_FORMATS:
+            impl = "xla"
+    if impl == "pallas_gpu":
+        raise NotImplementedError("indexer.impl=pallas_gpu: the GPU score kernel is not "
+                                  "implemented yet; use xla, pallas_tpu or auto")
+    if impl == "pallas_tpu" and key_format not in KERNEL_FORMATS:
+        raise NotImplementedError(f"indexer.impl=pallas_tpu: the kernel reads keys stored as "
+                                  f"{', '.join(KERNEL_FORMATS)}, not cache.key_format="
+                                  f"{key_format!r}")
+    return impl
+
+
+def paged_scores(q, w, cache, fields, n_visible, impl: str, interpret: bool, dtype):
+    """Scores [B, T, max_entries] of queries against every stored search key of a paged
+    cache; -inf where the entry is not visible (index >= n_visible [B, T] or >= length)."""
+    from dsattn.cache import paged
+    from dsattn.kernels.indexer_score import paged_scores_tpu
+
+    if impl == "pallas_tpu":
+        return paged_scores_tpu(q, w, cache["pages"]["key"], cache["page_table"],
+                                cache["length"], n_visible, fields["key"].fmt,
+                                interpret=interpret, max_entries=cache["max_entries"].shape[0])
+    keys, stored = paged.read_all(cache, fields, "key", dtype)
+    visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) < n_visible[..., None])
+    return jnp.where(visible, scores(q, w, keys), -jnp.inf)

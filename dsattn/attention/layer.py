@@ -52,6 +52,8 @@ class V4Attention(nnx.Module):
         self.loss_weight, self.warmup = ix.loss_weight, ix.dense_warmup_steps
         self.key_rope = ix.rope_dim
         self.pool_blocks, self.pool_block = a.pool_blocks, a.pool_block_size
+        self.interpret = ix.interpret
+        self.impl = indexer.resolve_impl(ix.impl, c.key_format) if self.kind in OWN_INDEXER else ""
         # Under CED, decoder full layers compress the encoder's output.
         self.from_encoder = bool(a.ced_split) and layer >= a.ced_split and self.kind == "full"
         self.query = Query(cfg, rngs)
@@ -202,9 +204,9 @@ class V4Attention(nnx.Module):
                 jnp.einsum("btnd,btsd->btns", iq, keys)), w)
             pick, ok = indexer.select(score, pok & got, self.top_k)
             return jnp.take_along_axis(pidx, pick, axis=-1), ok
-        keys, stored = paged.read_all(g, self.fields, "key", self.dtype)
-        score = indexer.scores(iq, w, keys)
-        visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) < n_vis)
+        score = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0], self.impl,
+                                     self.interpret, self.dtype)
+        visible = score > -jnp.inf
         if self.kind == "full" and self.pool_blocks:
             ctx["pool"] = indexer.candidate_pool(score, visible, n_vis[..., 0],
                                                  self.pool_block, self.pool_blocks)
