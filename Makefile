@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n 2 --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

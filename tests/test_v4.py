@@ -108,7 +108,7 @@ def test_v4_training_lowers_both_losses(tmp_path):
 
 @pytest.mark.parametrize("name, formats", [
     ("v4", ["cache.local_format=fp8_ue8m0", "cache.main_format=fp4_e4m3",
-            "cache.key_format=fp4_ue8m0"]),
+            "cache.key_format=fp4_ue8m0", "attention.layers=swa, csa, hca", "model.n_layers=3"]),
     ("dsa", ["cache.main_format=fp8_ds_mla", "attention.kv_lora_rank=128",
              "cache.key_format=fp4_ue8m0", "model.n_layers=2"]),
     ("mla", ["cache.main_format=fp8_ds_mla", "attention.kv_lora_rank=128", "model.n_layers=2"]),
