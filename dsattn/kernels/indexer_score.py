@@ -24,10 +24,12 @@ are scalar-prefetched (``pltpu.PrefetchScalarGridSpec``); each step's key BlockS
 picks page ``max(page_table[b, p], 0)`` of the pool, so only the row's own pages are fetched,
 one page per step; slots at or past the row's length skip the matmul and write -inf. Every
 block's last two dims equal the full array dims (keys [1, page_size, d], scales
-[1, page_size, d/128], scores [1, 1, T8, page_size]), so any page_size/d is legal for Mosaic;
+[1, page_size, d/128] or [1, page_size, d/32], scores [1, 1, T8, page_size]), so any
+page_size/d is legal for Mosaic;
 for efficiency on real TPUs use page_size a multiple of 8 and d a multiple of 128. The wrapper
 pads T up to a multiple of 8 (sublane tile) and slices it back. Kernel formats: "native",
-"bf16", "fp8_fp32" (others: use ``reference_scores``). ``interpret=True`` runs the kernel in
+"bf16", "fp8_fp32", "fp8_ue8m0" (E8M0 scales passed as their uint8 bytes and decoded in-kernel
+as 2^(byte-127)); others: use ``reference_scores``. ``interpret=True`` runs the kernel in
 the TPU interpreter (``pltpu.InterpretParams()``), which is how the tests check it on CPU.
 """
 
@@ -42,8 +44,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsattn.cache import formats
 
-KERNEL_FORMATS = ("native", "bf16", "fp8_fp32")
+KERNEL_FORMATS = ("native", "bf16", "fp8_fp32", "fp8_ue8m0")
 _FP8_BLOCK = 128  # fp8_fp32: one float32 scale per 128 channels
+_UE8M0_BLOCK = 32  # fp8_ue8m0: one E8M0 scale per 32 channels
 
 
 def _visible(n_visible, length, n_cols: int):
@@ -77,7 +80,7 @@ def reference_scores(q, w, pages, page_table, length, n_visible, fmt: str, *,
 def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8, ps):
     # pt_ref [B*P] and len_ref [B] live in SMEM (scalar prefetch).
     # q_ref [1, H*T8, d] (head-major rows), w_ref [1, T8, H], nv_ref [1, T8, 1],
-    # key refs [1, ps, d] (+ scale [1, ps, d/128]), o_ref [1, 1, T8, ps].
+    # key refs [1, ps, d] (+ scale [1, ps, d/blk]), o_ref [1, 1, T8, ps].
     del pt_ref
     o_ref = rest[-1]
     key_refs = rest[:-1]
@@ -98,12 +101,15 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
             k = key_refs[0][0].astype(jnp.float32)  # [ps, d]
             dots = jax.lax.dot_general(q, k, nt, precision=hi,
                                        preferred_element_type=jnp.float32)
-        else:  # fp8_fp32: per 128-channel block, q8 * scale
-            k8, sc = key_refs[0][0], key_refs[1][0]  # [ps, d], [ps, d/128]
+        elif fmt in ("fp8_fp32", "fp8_ue8m0"):  # per scale block, q8 * scale
+            blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
+            k8, sc = key_refs[0][0], key_refs[1][0]  # [ps, d], [ps, d/blk]
+            # fp8_ue8m0 scales arrive as their uint8 bytes: 2^(byte-127).
+            sc = sc.astype(jnp.float32) if fmt == "fp8_fp32" else formats.e8m0_to_f32(sc)
             dots = None
-            for i in range(k8.shape[-1] // _FP8_BLOCK):
-                lo, hi_c = i * _FP8_BLOCK, (i + 1) * _FP8_BLOCK
-                kb = k8[:, lo:hi_c].astype(jnp.float32) * sc[:, i:i + 1].astype(jnp.float32)
+            for i in range(k8.shape[-1] // blk):
+                lo, hi_c = i * blk, (i + 1) * blk
+                kb = k8[:, lo:hi_c].astype(jnp.float32) * sc[:, i:i + 1]
                 part = jax.lax.dot_general(q[:, lo:hi_c], kb, nt, precision=hi,
                                            preferred_element_type=jnp.float32)
                 dots = part if dots is None else dots + part
@@ -130,15 +136,20 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     n_visible = jnp.asarray(n_visible, jnp.int32)
     B, T, H, d = q.shape
     P = page_table.shape[1]
-    if fmt == "fp8_fp32":
-        key_arrays = [pages["q"], pages["scale"]]
-        if d % _FP8_BLOCK:
-            raise ValueError(f"paged_scores_tpu: fp8_fp32 needs d % 128 == 0, got d={d}")
-    else:
+    if fmt in ("native", "bf16"):
         key_arrays = [pages["v"]]
+    else:
+        blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
+        if d % blk:
+            raise ValueError(f"paged_scores_tpu: {fmt} needs d % {blk} == 0, got d={d}")
+        scale = pages["scale"]
+        if fmt != "fp8_fp32":  # E8M0 -> its uint8 byte (same-width bitcast, decoded in-kernel)
+            scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        key_arrays = [pages["q"], scale]
     ps = key_arrays[0].shape[1]
-    if key_arrays[0].shape[2] != d:
-        raise ValueError(f"paged_scores_tpu: key width {key_arrays[0].shape[2]} != query d {d}")
+    key_w = key_arrays[0].shape[2]
+    if key_w != d:
+        raise ValueError(f"paged_scores_tpu: key width {key_w} != query d {d}")
 
     t8 = -(-T // 8) * 8
     pad_t = t8 - T
