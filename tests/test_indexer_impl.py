@@ -27,7 +27,7 @@ def decode_logits(cfg, toks, lengths, n_decode):
 @pytest.mark.parametrize("name, extra", [
     ("dsa", ("attention.top_k=8", "model.n_layers=2")),
     ("v4", ("attention.layers=swa, csa, hca", "model.n_layers=3")),
-    ("v41", ()),
+    ("v41", ("cache.key_format=fp4_ue8m0",)),  # keys dequantized from FP4 in-kernel
 ])
 def test_pallas_tpu_interpret_decode_equals_xla(name, extra):
     toks = np.random.RandomState(0).randint(0, 256, (2, 30))
@@ -42,7 +42,8 @@ def test_pallas_tpu_interpret_decode_equals_xla(name, extra):
 def test_impl_resolution():
     assert indexer.resolve_impl("auto", "native") == "xla"  # CPU: the reference path
     assert indexer.resolve_impl("pallas_tpu", "bf16") == "pallas_tpu"
-    with pytest.raises(NotImplementedError, match="key_format='fp4_ue8m0'"):
-        indexer.resolve_impl("pallas_tpu", "fp4_ue8m0")
+    assert indexer.resolve_impl("pallas_tpu", "fp4_ue8m0") == "pallas_tpu"  # V4 key format
+    with pytest.raises(NotImplementedError, match="key_format='fp4_e4m3'"):
+        indexer.resolve_impl("pallas_tpu", "fp4_e4m3")
     with pytest.raises(NotImplementedError, match="pallas_gpu"):
         indexer.resolve_impl("pallas_gpu", "native")

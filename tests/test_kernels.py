@@ -43,7 +43,7 @@ def _queries(T, seed=1):
     return q, w, nv
 
 
-@pytest.mark.parametrize("fmt", ["native", "bf16", "fp8_fp32", "fp8_ue8m0"])
+@pytest.mark.parametrize("fmt", ["native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_paged_scores_kernel_matches_reference(fmt, T):
     fields, cache = _scrambled_cache(fmt)

@@ -28,8 +28,9 @@ block's last two dims equal the full array dims (keys [1, page_size, d], scales
 page_size/d is legal for Mosaic;
 for efficiency on real TPUs use page_size a multiple of 8 and d a multiple of 128. The wrapper
 pads T up to a multiple of 8 (sublane tile) and slices it back. Kernel formats: "native",
-"bf16", "fp8_fp32", "fp8_ue8m0" (E8M0 scales passed as their uint8 bytes and decoded in-kernel
-as 2^(byte-127)); others: use ``reference_scores``. ``interpret=True`` runs the kernel in
+"bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0" (E8M0 scales passed as their uint8 bytes and
+decoded in-kernel as 2^(byte-127); fp4 queries reordered [even | odd] channels to match the
+low/high nibbles); others: use ``reference_scores``. ``interpret=True`` runs the kernel in
 the TPU interpreter (``pltpu.InterpretParams()``), which is how the tests check it on CPU.
 """
 
@@ -44,9 +45,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsattn.cache import formats
 
-KERNEL_FORMATS = ("native", "bf16", "fp8_fp32", "fp8_ue8m0")
+KERNEL_FORMATS = ("native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0")
 _FP8_BLOCK = 128  # fp8_fp32: one float32 scale per 128 channels
-_UE8M0_BLOCK = 32  # fp8_ue8m0: one E8M0 scale per 32 channels
+_UE8M0_BLOCK = 32  # fp8_ue8m0 / fp4_ue8m0: one E8M0 scale per 32 channels
 
 
 def _visible(n_visible, length, n_cols: int):
@@ -80,7 +81,7 @@ def reference_scores(q, w, pages, page_table, length, n_visible, fmt: str, *,
 def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8, ps):
     # pt_ref [B*P] and len_ref [B] live in SMEM (scalar prefetch).
     # q_ref [1, H*T8, d] (head-major rows), w_ref [1, T8, H], nv_ref [1, T8, 1],
-    # key refs [1, ps, d] (+ scale [1, ps, d/blk]), o_ref [1, 1, T8, ps].
+    # key refs [1, ps, d] (+ scale [1, ps, d/blk]; fp4: q [1, ps, d/2]), o_ref [1, 1, T8, ps].
     del pt_ref
     o_ref = rest[-1]
     key_refs = rest[:-1]
@@ -112,6 +113,23 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
                 kb = k8[:, lo:hi_c].astype(jnp.float32) * sc[:, i:i + 1]
                 part = jax.lax.dot_general(q[:, lo:hi_c], kb, nt, precision=hi,
                                            preferred_element_type=jnp.float32)
+                dots = part if dots is None else dots + part
+        else:  # fp4_ue8m0: packed E2M1 pairs, q columns pre-split into [even | odd] halves
+            kp, sc = key_refs[0][0], key_refs[1][0]  # uint8 [ps, d/2], uint8 [ps, d/32]
+            sc = formats.e8m0_to_f32(sc)
+            half = kp.shape[-1]
+            k_even = formats.e2m1_values(kp & 0xF)  # channel 2i: low nibble
+            k_odd = formats.e2m1_values(kp >> 4)  # channel 2i+1: high nibble
+            bb = _UE8M0_BLOCK // 2  # bytes per scale block
+            dots = None
+            for i in range(half // bb):
+                lo, hi_c = i * bb, (i + 1) * bb
+                s_i = sc[:, i:i + 1]
+                part = (jax.lax.dot_general(q[:, lo:hi_c], k_even[:, lo:hi_c] * s_i, nt,
+                                            precision=hi, preferred_element_type=jnp.float32)
+                        + jax.lax.dot_general(q[:, half + lo:half + hi_c],
+                                              k_odd[:, lo:hi_c] * s_i, nt, precision=hi,
+                                              preferred_element_type=jnp.float32))
                 dots = part if dots is None else dots + part
         dots = jnp.maximum(dots, 0.0)  # [H*T8, ps]
         wv = w_ref[0].astype(jnp.float32)  # [T8, H]
@@ -147,7 +165,7 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
             scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
         key_arrays = [pages["q"], scale]
     ps = key_arrays[0].shape[1]
-    key_w = key_arrays[0].shape[2]
+    key_w = key_arrays[0].shape[2] * (2 if fmt == "fp4_ue8m0" else 1)
     if key_w != d:
         raise ValueError(f"paged_scores_tpu: key width {key_w} != query d {d}")
 
@@ -159,6 +177,8 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         q32 = jnp.pad(q32, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
         w32 = jnp.pad(w32, ((0, 0), (0, pad_t), (0, 0)))
         n_visible = jnp.pad(n_visible, ((0, 0), (0, pad_t)))
+    if fmt == "fp4_ue8m0":  # channels reordered [even | odd] to match the packed nibbles
+        q32 = jnp.concatenate([q32[..., 0::2], q32[..., 1::2]], axis=-1)
     q_hm = jnp.transpose(q32, (0, 2, 1, 3)).reshape(B, H * t8, d)  # head-major rows
     nv3 = n_visible[..., None]  # [B, T8, 1]
 
