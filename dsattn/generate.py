@@ -20,6 +20,7 @@ from dsattn.cache import paged
 from dsattn.model import Transformer, check_tokens
 
 MIN_BUCKET = 16
+PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
 
 
 class Bound(NamedTuple):
@@ -64,13 +65,14 @@ def bucket_length(n: int, max_len: int) -> int:
     return max(n, min(b, max_len))
 
 
-def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None):
+def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from=None):
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     start = cache["pos"]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     valid = jnp.arange(t)[None] < n_new[:, None]
-    h, layers, evals = model.extend(tokens, positions, valid, cache["layers"], replay)
+    h, layers, evals = model.extend(tokens, positions, valid, cache["layers"], replay,
+                                    replay_from)
     return model.logits(h), {**cache, "pos": start + n_new, "layers": layers,
                              "evaluations": cache["evaluations"] + evals}
 
@@ -90,16 +92,21 @@ def decode_compilations() -> int:
     return _decode_jit._cache_size()
 
 
-def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None):
+def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
+            chunk: int = PREFILL_CHUNK):
     """Append each row's prompt to its cache; return next-token logits [B, V] and the cache.
 
     tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
-    A row with length 0 is left untouched (its logits are meaningless). `replay=R` (CED
-    configs) runs the decoder over only each row's last R prompt positions (True: R =
+    A row with length 0 is left untouched (its logits are meaningless). Prompts longer than
+    `chunk` (a power of two) run chunk by chunk, each chunk seeing the cache the previous
+    ones wrote, so peak memory follows the chunk, not the prompt. `replay=R` (CED configs)
+    runs the decoder over only each row's last R prompt positions (True: R =
     attention.window); local KV before them is absent, so logits deviate from exact prefill
     unless R covers the prompt. `cache["evaluations"]` counts (position, layer) evaluations.
     """
     replay = _check_replay(model.cfg, replay)
+    if chunk < MIN_BUCKET or chunk & (chunk - 1):
+        raise ValueError(f"prefill: chunk must be a power of two >= {MIN_BUCKET}, got {chunk}")
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens: expected [batch, time], got shape {tokens.shape}")
@@ -117,12 +124,21 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None):
         r = int(over[0])
         raise ValueError(f"prompt too long for the cache: row {r} would need "
                          f"{int(start[r] + lengths[r])} positions, the cache holds {max_len}")
-    width = bucket_length(int(lengths.max(initial=1)), max_len)
-    padded = np.zeros((b, width), np.int32)
-    padded[:, : min(t, width)] = tokens[:, :width]
     m = bind(model)
-    logits, cache = _prefill_jit(m.graphdef, m.state, jnp.asarray(padded),
-                                 jnp.asarray(lengths), cache, replay)
+    # Decoder positions kept under replay: each row's last R (absolute positions).
+    replay_from = None if replay is None else jnp.asarray(start + lengths - replay, jnp.int32)
+    logits = None
+    for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
+        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+        width = bucket_length(int(n_new.max(initial=1)), max_len)
+        padded = np.zeros((b, width), np.int32)
+        part = tokens[:, c0: c0 + width]
+        padded[:, : part.shape[1]] = part
+        out, cache = _prefill_jit(m.graphdef, m.state, jnp.asarray(padded), jnp.asarray(n_new),
+                                  cache, replay, replay_from)
+        # Each row's logits come from the chunk holding its last prompt token.
+        logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None], out,
+                                                      logits)
     check_cache(cache)
     return logits, cache
 

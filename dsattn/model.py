@@ -101,12 +101,15 @@ class Transformer(nnx.Module):
                 "evaluations": jnp.zeros((), jnp.int32),  # (position, layer) pairs run
                 "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
 
-    def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None):
+    def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None,
+               replay_from=None):
         """Run new tokens [B, T] at `positions` (where `valid`) through the stack.
 
         With `replay=R` (CED only) the encoder runs over every position and the decoder only
-        over each row's last R valid positions; decoder full layers still compress the
-        encoder output of every position. Returns the last valid position's final hidden
+        over each row's last R valid positions, or, given `replay_from` [B], over its valid
+        positions >= replay_from (at most R of them: a chunk of a longer prompt); decoder
+        full layers still compress the encoder output of every position. Returns the last
+        valid position's final hidden
         state per row [B, D], the new caches, and the number of (position, layer)
         evaluations.
         """
@@ -118,7 +121,8 @@ class Transformer(nnx.Module):
             if split and i == split:
                 ctx = {"encoder_out": (x, positions, valid)}
                 if replay is not None:
-                    x, positions, valid = _last_positions(x, positions, valid, replay)
+                    x, positions, valid = _last_positions(x, positions, valid, replay,
+                                                                replay_from)
             x, cache = block.extend(x, positions, valid, cache, ctx)
             evals = evals + jnp.sum(valid, dtype=jnp.int32)
             new.append(cache)
@@ -130,10 +134,11 @@ class Transformer(nnx.Module):
         return self.embedding.logits(h)
 
 
-def _last_positions(x, positions, valid, r: int):
-    """Each row's last r valid positions (valid ones form a prefix): [B, r] slices."""
-    n = jnp.sum(valid, -1)
-    start = jnp.maximum(n - r, 0)
-    idx = jnp.minimum(start[:, None] + jnp.arange(r), x.shape[1] - 1)
+def _last_positions(x, positions, valid, r: int, keep_from=None):
+    """Each row's last k <= r valid positions as [B, r] slices (valid ones form a prefix, and
+    so do the returned ones); k counts the positions >= keep_from when given."""
+    keep = valid if keep_from is None else valid & (positions >= keep_from[:, None])
+    n, k = jnp.sum(valid, -1), jnp.minimum(jnp.sum(keep, -1), r)
+    idx = jnp.minimum((n - k)[:, None] + jnp.arange(r), x.shape[1] - 1)
     take = lambda a: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), 1)
-    return take(x), take(positions), jnp.arange(r)[None] < jnp.minimum(n, r)[:, None]
+    return take(x), take(positions), jnp.arange(r)[None] < k[:, None]
