@@ -1,12 +1,18 @@
-"""Pallas kernels (TPU interpret mode on CPU) against their pure-jnp references."""
+"""Pallas kernels against their pure-jnp references: the TPU kernel in TPU interpret mode, the
+GPU (Triton) kernel in the generic interpreter and lowered to Triton IR, all on CPU; compiled
+on the backend's own kernel when a GPU or TPU is present."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsattn.attention import indexer
 from dsattn.cache import paged
-from dsattn.kernels.indexer_score import paged_scores_tpu, reference_scores
+from dsattn.kernels.indexer_score import KERNEL_FORMATS, paged_scores_tpu, reference_scores
+from dsattn.kernels.indexer_score_gpu import paged_scores_gpu
 
 B, MAX_ENTRIES, PS, H, D = 3, 20, 8, 4, 128
 
@@ -43,20 +49,69 @@ def _queries(T, seed=1):
     return q, w, nv
 
 
-@pytest.mark.parametrize("fmt", ["native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0"])
-@pytest.mark.parametrize("T", [1, 3])
-def test_paged_scores_kernel_matches_reference(fmt, T):
-    fields, cache = _scrambled_cache(fmt)
+# block_k=16 on GPU: two 8-entry pages per program, so a key block spans scrambled pages.
+KERNELS = {"tpu": paged_scores_tpu, "gpu": functools.partial(paged_scores_gpu, block_k=16)}
+BLOCK = 4  # block maxima over 4 entries (divides PS)
+
+
+def check_kernel(kernel, fmt, T, cache, interpret, tol=1e-5):
+    """kernel == reference_scores: scores truncated to max_entries, and at full width
+    (P * page_size, the padded tail invisible) with block maxima == indexer.block_scores."""
     q, w, nv = _queries(T)
     args = (q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, fmt)
     ref = reference_scores(*args, max_entries=MAX_ENTRIES)
-    got = paged_scores_tpu(*args, interpret=True, max_entries=MAX_ENTRIES)
+    got = kernel(*args, interpret=interpret, max_entries=MAX_ENTRIES)
     assert got.shape == ref.shape == (B, T, MAX_ENTRIES) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    # Full width (P * page_size) too: the padded tail is invisible.
-    full = paged_scores_tpu(*args, interpret=True)
-    assert full.shape == (B, T, cache["page_table"].shape[1] * PS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol)
+    full, maxima = kernel(*args, interpret=interpret, block_max=BLOCK)
+    width = cache["page_table"].shape[1] * PS
+    assert full.shape == (B, T, width) and maxima.shape == (B, T, width // BLOCK)
+    np.testing.assert_allclose(np.asarray(full[..., :MAX_ENTRIES]), np.asarray(ref),
+                               rtol=tol, atol=tol)
     assert np.all(np.isneginf(np.asarray(full[..., MAX_ENTRIES:])))
+    ref_full = reference_scores(*args)
+    expected = indexer.block_scores(ref_full, ref_full > -jnp.inf, BLOCK)
+    np.testing.assert_allclose(np.asarray(maxima), np.asarray(expected), rtol=tol, atol=tol)
+    assert np.any(np.isneginf(np.asarray(maxima))) and np.any(np.isfinite(np.asarray(maxima)))
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_paged_scores_kernel_matches_reference(backend, fmt, T):
+    fields, cache = _scrambled_cache(fmt)
+    check_kernel(KERNELS[backend], fmt, T, cache, interpret=True)
+
+
+def test_reference_block_maxima_and_truncation():
+    fields, cache = _scrambled_cache("native")
+    q, w, nv = _queries(3)
+    args = (q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, "native")
+    score, maxima = reference_scores(*args, max_entries=MAX_ENTRIES, block_max=BLOCK)
+    np.testing.assert_array_equal(
+        np.asarray(maxima), np.asarray(indexer.block_scores(score, score > -jnp.inf, BLOCK)))
+    assert maxima.shape == (B, 3, -(-MAX_ENTRIES // BLOCK))
+
+
+@pytest.mark.parametrize("kernel", [reference_scores, KERNELS["tpu"], KERNELS["gpu"]])
+def test_block_max_must_divide_the_page(kernel):
+    fields, cache = _scrambled_cache("native")
+    q, w, nv = _queries(1)
+    with pytest.raises(ValueError, match="block_max=3"):
+        kernel(q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, "native",
+               block_max=3)
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_gpu_kernel_lowers_to_triton(fmt):
+    """The GPU kernel lowers through the Pallas Triton backend (JAX -> Triton IR) on a CPU-only
+    machine: every op, tile shape and dtype it uses has a Triton lowering."""
+    fields, cache = _scrambled_cache(fmt)
+    q, w, nv = _queries(3)
+    f = jax.jit(functools.partial(paged_scores_gpu, fmt=fmt, block_k=16, block_max=BLOCK))
+    lowered = f.trace(q, w, cache["pages"]["k"], cache["page_table"], cache["length"],
+                      nv).lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()
 
 
 @pytest.mark.parametrize("fmt", ["native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0"])
@@ -77,9 +132,24 @@ def test_reference_matches_indexer_scores(fmt):
     assert np.any(np.isfinite(np.asarray(ref))) and np.any(np.isneginf(np.asarray(ref)))
 
 
-def test_paged_scores_rejects_unsupported_format():
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_paged_scores_rejects_unsupported_format(backend):
     fields, cache = _scrambled_cache("native")
     q, w, nv = _queries(1)
-    with pytest.raises(NotImplementedError):
-        paged_scores_tpu(q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv,
+    with pytest.raises(NotImplementedError, match="fp4_e4m3"):
+        KERNELS[backend](q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv,
                          "fp4_e4m3", interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"),
+                    reason=f"compiled kernels need a GPU or TPU; backend is "
+                           f"{jax.default_backend()} (interpret-mode tests above cover CPU)")
+class TestCompiled:
+    """The backend's own kernel compiled (interpret=False) == reference."""
+
+    @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_compiled_kernel_matches_reference(self, fmt, T):
+        fields, cache = _scrambled_cache(fmt)
+        check_kernel(KERNELS[jax.default_backend()], fmt, T, cache, interpret=False,
+                     tol=1e-4)

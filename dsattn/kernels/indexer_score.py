@@ -18,6 +18,9 @@ Shared arguments:
     n_visible   int32 [B, T]   entries visible to each query
     fmt         the field's cache format
 Output: float32 [B, T, P * page_size] (or [B, T, max_entries] when ``max_entries`` is given).
+With ``block_max=Bk`` (Bk divides page_size) every function returns (scores, maxima) where
+maxima[b, t, i] = max of the visible scores i*Bk .. (i+1)*Bk-1 (-inf if none), float32
+[B, T, ceil(width / Bk)]: the block maxima of V4.1's hierarchical pool, computed in-kernel.
 
 ``paged_scores_tpu`` runs a grid over (row, page slot). The page table (flattened) and lengths
 are scalar-prefetched (``pltpu.PrefetchScalarGridSpec``); each step's key BlockSpec index_map
@@ -32,6 +35,10 @@ pads T up to a multiple of 8 (sublane tile) and slices it back. Kernel formats: 
 decoded in-kernel as 2^(byte-127); fp4 queries reordered [even | odd] channels to match the
 low/high nibbles); others: use ``reference_scores``. ``interpret=True`` runs the kernel in
 the TPU interpreter (``pltpu.InterpretParams()``), which is how the tests check it on CPU.
+
+The GPU (Triton) variant lives in ``indexer_score_gpu.py``; both kernels share this module's
+input preparation (``kernel_inputs``), in-kernel dequantization (``dequant_dots``), masking
+and block maxima (``block_maxima``), so a format is decoded the same way everywhere.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from dsattn.cache import formats
 KERNEL_FORMATS = ("native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0")
 _FP8_BLOCK = 128  # fp8_fp32: one float32 scale per 128 channels
 _UE8M0_BLOCK = 32  # fp8_ue8m0 / fp4_ue8m0: one E8M0 scale per 32 channels
+_NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims, [M, d] x [N, d] -> [M, N]
 
 
 def _visible(n_visible, length, n_cols: int):
@@ -57,14 +65,32 @@ def _visible(n_visible, length, n_cols: int):
     return s < nv[..., None]
 
 
+def check_block_max(block_max, page_size: int, who: str) -> None:
+    """Block maxima tile pages exactly: ``block_max`` must divide the page size."""
+    if block_max is not None and (block_max <= 0 or page_size % block_max):
+        raise ValueError(f"{who}: block_max={block_max} must be a positive divisor of the "
+                         f"page size {page_size}")
+
+
+def _truncate(out, maxima, block_max, max_entries):
+    """Cut scores (and maxima) to ``max_entries`` columns; the pair when block_max is set."""
+    if max_entries is not None:
+        out = out[..., :max_entries]
+        if maxima is not None:
+            maxima = maxima[..., :-(-max_entries // block_max)]
+    return out if block_max is None else (out, maxima)
+
+
 def reference_scores(q, w, pages, page_table, length, n_visible, fmt: str, *,
-                     max_entries: int | None = None):
+                     max_entries: int | None = None, block_max: int | None = None):
     """Pure-jnp score pass (any cache format): float32 [B, T, P*page_size] with -inf where
-    invisible; columns truncated to ``max_entries`` when given."""
+    invisible; columns truncated to ``max_entries`` when given; (scores, maxima) with
+    ``block_max``."""
     page_table = jnp.asarray(page_table, jnp.int32)
     B, P = page_table.shape
     first = next(iter(pages.values()))
     ps = first.shape[1]
+    check_block_max(block_max, ps, "reference_scores")
     rows = {a: v[jnp.maximum(page_table, 0)].reshape((B, P * ps) + v.shape[2:])
             for a, v in pages.items()}
     keys = formats.decode(fmt, rows, jnp.float32)  # [B, S, d]
@@ -75,62 +101,113 @@ def reference_scores(q, w, pages, page_table, length, n_visible, fmt: str, *,
                        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     vis = _visible(n_visible, length, P * ps)
     score = jnp.where(vis, score, -jnp.inf)
-    return score if max_entries is None else score[..., :max_entries]
+    maxima = None
+    if block_max is not None:
+        maxima = jnp.max(score.reshape(score.shape[:-1] + (-1, block_max)), axis=-1)
+    return _truncate(score, maxima, block_max, max_entries)
 
 
-def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8, ps):
+# -- shared by the TPU and GPU kernels -----------------------------------------------------
+def kernel_inputs(q, pages, fmt: str, who: str):
+    """(float32 queries, stored key arrays) as the kernels read them, after checking that a
+    kernel can: E8M0 scales become their uint8 bytes (a same-width bitcast, decoded in-kernel)
+    and FP4 query channels are reordered [even | odd] to match the low/high nibbles."""
+    if fmt not in KERNEL_FORMATS:
+        raise NotImplementedError(
+            f"{who}: format {fmt!r} has no kernel (supported: {', '.join(KERNEL_FORMATS)}); "
+            f"use reference_scores")
+    d = q.shape[-1]
+    if fmt in ("native", "bf16"):
+        key_arrays = [pages["v"]]
+    else:
+        blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
+        if d % blk:
+            raise ValueError(f"{who}: {fmt} needs d % {blk} == 0, got d={d}")
+        scale = pages["scale"]
+        if fmt != "fp8_fp32":
+            scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        key_arrays = [pages["q"], scale]
+    key_w = key_arrays[0].shape[2] * (2 if fmt == "fp4_ue8m0" else 1)
+    if key_w != d:
+        raise ValueError(f"{who}: key width {key_w} != query d {d}")
+    q32 = jnp.asarray(q, jnp.float32)
+    if fmt == "fp4_ue8m0":
+        q32 = jnp.concatenate([q32[..., 0::2], q32[..., 1::2]], axis=-1)
+    return q32, key_arrays
+
+
+def dequant_dots(fmt: str, d: int, load_q, load_k, precision):
+    """q·k for a tile of stored keys, dequantized per scale block: float32 [M, N].
+
+    ``load_q(lo, n)`` -> float32 [M, n] query columns lo..lo+n (FP4: of the [even | odd]
+    reordered queries); ``load_k(a, lo, n)`` -> columns lo..lo+n of stored array ``a`` (0: the
+    values, 1: the scales) for the tile's N keys. A kernel loads these from refs or slices them
+    from loaded values, whichever its backend lowers.
+    """
+    def dot(a, b):
+        return jax.lax.dot_general(a, b, _NT, precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    if fmt in ("native", "bf16"):
+        return dot(load_q(0, d), load_k(0, 0, d).astype(jnp.float32))
+    dots = None
+    if fmt == "fp4_ue8m0":  # packed E2M1 pairs: channel 2i in the low nibble, 2i+1 in the high
+        half, bb = d // 2, _UE8M0_BLOCK // 2  # bytes per scale block
+        for i in range(half // bb):
+            kp = load_k(0, i * bb, bb)
+            s = formats.e8m0_to_f32(load_k(1, i, 1))
+            part = (dot(load_q(i * bb, bb), formats.e2m1_values(kp & 0xF) * s)
+                    + dot(load_q(half + i * bb, bb), formats.e2m1_values(kp >> 4) * s))
+            dots = part if dots is None else dots + part
+        return dots
+    blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
+    for i in range(d // blk):
+        s = load_k(1, i, 1)  # fp8_ue8m0 scales arrive as their uint8 bytes: 2^(byte-127)
+        s = s.astype(jnp.float32) if fmt == "fp8_fp32" else formats.e8m0_to_f32(s)
+        part = dot(load_q(i * blk, blk), load_k(0, i * blk, blk).astype(jnp.float32) * s)
+        dots = part if dots is None else dots + part
+    return dots
+
+
+def block_maxima(score, block: int):
+    """Max of each ``block`` consecutive columns of a tile [R, N] -> [R, N // block], built
+    without reshapes (a column-masked max per block, placed with iota) so Mosaic and Triton
+    both lower it."""
+    rows, n = score.shape
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, n), 1)
+    out_col = jax.lax.broadcasted_iota(jnp.int32, (rows, n // block), 1)
+    out = jnp.full((rows, n // block), -jnp.inf, jnp.float32)
+    for i in range(n // block):
+        inside = (col >= i * block) & (col < (i + 1) * block)
+        m = jnp.max(jnp.where(inside, score, -jnp.inf), axis=1, keepdims=True)
+        out = jnp.where(out_col == i, m, out)
+    return out
+
+
+# -- TPU (Mosaic) ----------------------------------------------------------------------------
+def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8, ps,
+                  n_keys, block_max):
     # pt_ref [B*P] and len_ref [B] live in SMEM (scalar prefetch).
     # q_ref [1, H*T8, d] (head-major rows), w_ref [1, T8, H], nv_ref [1, T8, 1],
-    # key refs [1, ps, d] (+ scale [1, ps, d/blk]; fp4: q [1, ps, d/2]), o_ref [1, 1, T8, ps].
+    # key refs [1, ps, d] (+ scale [1, ps, d/blk]; fp4: q [1, ps, d/2]),
+    # o_ref [1, 1, T8, ps] (+ maxima [1, 1, T8, ps/block_max]).
     del pt_ref
-    o_ref = rest[-1]
-    key_refs = rest[:-1]
+    key_refs, out_refs = rest[:n_keys], rest[n_keys:]
     b, p = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     start = p * ps
 
     @pl.when(start >= length)
     def _empty():
-        o_ref[0, 0] = jnp.full((t8, ps), -jnp.inf, jnp.float32)
+        for r in out_refs:
+            r[0, 0] = jnp.full(r.shape[2:], -jnp.inf, jnp.float32)
 
     @pl.when(start < length)
     def _compute():
         q = q_ref[0].astype(jnp.float32)  # [H*T8, d]
-        nt = (((1,), (1,)), ((), ()))  # contract d with d: [M, d] x [N, d] -> [M, N]
-        hi = jax.lax.Precision.HIGHEST
-        if fmt in ("native", "bf16"):
-            k = key_refs[0][0].astype(jnp.float32)  # [ps, d]
-            dots = jax.lax.dot_general(q, k, nt, precision=hi,
-                                       preferred_element_type=jnp.float32)
-        elif fmt in ("fp8_fp32", "fp8_ue8m0"):  # per scale block, q8 * scale
-            blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
-            k8, sc = key_refs[0][0], key_refs[1][0]  # [ps, d], [ps, d/blk]
-            # fp8_ue8m0 scales arrive as their uint8 bytes: 2^(byte-127).
-            sc = sc.astype(jnp.float32) if fmt == "fp8_fp32" else formats.e8m0_to_f32(sc)
-            dots = None
-            for i in range(k8.shape[-1] // blk):
-                lo, hi_c = i * blk, (i + 1) * blk
-                kb = k8[:, lo:hi_c].astype(jnp.float32) * sc[:, i:i + 1]
-                part = jax.lax.dot_general(q[:, lo:hi_c], kb, nt, precision=hi,
-                                           preferred_element_type=jnp.float32)
-                dots = part if dots is None else dots + part
-        else:  # fp4_ue8m0: packed E2M1 pairs, q columns pre-split into [even | odd] halves
-            kp, sc = key_refs[0][0], key_refs[1][0]  # uint8 [ps, d/2], uint8 [ps, d/32]
-            sc = formats.e8m0_to_f32(sc)
-            half = kp.shape[-1]
-            k_even = formats.e2m1_values(kp & 0xF)  # channel 2i: low nibble
-            k_odd = formats.e2m1_values(kp >> 4)  # channel 2i+1: high nibble
-            bb = _UE8M0_BLOCK // 2  # bytes per scale block
-            dots = None
-            for i in range(half // bb):
-                lo, hi_c = i * bb, (i + 1) * bb
-                s_i = sc[:, i:i + 1]
-                part = (jax.lax.dot_general(q[:, lo:hi_c], k_even[:, lo:hi_c] * s_i, nt,
-                                            precision=hi, preferred_element_type=jnp.float32)
-                        + jax.lax.dot_general(q[:, half + lo:half + hi_c],
-                                              k_odd[:, lo:hi_c] * s_i, nt, precision=hi,
-                                              preferred_element_type=jnp.float32))
-                dots = part if dots is None else dots + part
+        keys = [r[0] for r in key_refs]
+        dots = dequant_dots(fmt, q.shape[-1], lambda lo, n: q[:, lo:lo + n],
+                            lambda a, lo, n: keys[a][:, lo:lo + n], jax.lax.Precision.HIGHEST)
         dots = jnp.maximum(dots, 0.0)  # [H*T8, ps]
         wv = w_ref[0].astype(jnp.float32)  # [T8, H]
         acc = jnp.zeros((t8, ps), jnp.float32)
@@ -138,67 +215,60 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
             acc = acc + wv[:, j:j + 1] * dots[j * t8:(j + 1) * t8, :]
         col = start + jax.lax.broadcasted_iota(jnp.int32, (t8, ps), 1)
         nv = jnp.minimum(nv_ref[0], length)  # [T8, 1]
-        o_ref[0, 0] = jnp.where(col < nv, acc, -jnp.inf)
+        score = jnp.where(col < nv, acc, -jnp.inf)
+        out_refs[0][0, 0] = score
+        if block_max is not None:
+            out_refs[1][0, 0] = block_maxima(score, block_max)
 
 
 def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
-                     interpret: bool = False, max_entries: int | None = None):
+                     interpret: bool = False, max_entries: int | None = None,
+                     block_max: int | None = None):
     """Pallas TPU score pass: float32 [B, T, P*page_size] (-inf where invisible), equal to
-    ``reference_scores``. ``interpret=True`` runs it in the TPU interpreter (CPU tests)."""
-    if fmt not in KERNEL_FORMATS:
-        raise NotImplementedError(
-            f"paged_scores_tpu: format {fmt!r} has no kernel (supported: "
-            f"{', '.join(KERNEL_FORMATS)}); use reference_scores")
+    ``reference_scores``; (scores, maxima) with ``block_max``. ``interpret=True`` runs it in
+    the TPU interpreter (CPU tests)."""
+    q32, key_arrays = kernel_inputs(q, pages, fmt, "paged_scores_tpu")
     page_table = jnp.asarray(page_table, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
     n_visible = jnp.asarray(n_visible, jnp.int32)
     B, T, H, d = q.shape
     P = page_table.shape[1]
-    if fmt in ("native", "bf16"):
-        key_arrays = [pages["v"]]
-    else:
-        blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
-        if d % blk:
-            raise ValueError(f"paged_scores_tpu: {fmt} needs d % {blk} == 0, got d={d}")
-        scale = pages["scale"]
-        if fmt != "fp8_fp32":  # E8M0 -> its uint8 byte (same-width bitcast, decoded in-kernel)
-            scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
-        key_arrays = [pages["q"], scale]
     ps = key_arrays[0].shape[1]
-    key_w = key_arrays[0].shape[2] * (2 if fmt == "fp4_ue8m0" else 1)
-    if key_w != d:
-        raise ValueError(f"paged_scores_tpu: key width {key_w} != query d {d}")
+    check_block_max(block_max, ps, "paged_scores_tpu")
 
     t8 = -(-T // 8) * 8
     pad_t = t8 - T
-    q32 = jnp.asarray(q, jnp.float32)
     w32 = jnp.asarray(w, jnp.float32)
     if pad_t:
         q32 = jnp.pad(q32, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
         w32 = jnp.pad(w32, ((0, 0), (0, pad_t), (0, 0)))
         n_visible = jnp.pad(n_visible, ((0, 0), (0, pad_t)))
-    if fmt == "fp4_ue8m0":  # channels reordered [even | odd] to match the packed nibbles
-        q32 = jnp.concatenate([q32[..., 0::2], q32[..., 1::2]], axis=-1)
     q_hm = jnp.transpose(q32, (0, 2, 1, 3)).reshape(B, H * t8, d)  # head-major rows
     nv3 = n_visible[..., None]  # [B, T8, 1]
 
     def key_map(b, p, pt, ln):
         return (jnp.maximum(pt[b * P + p], 0), 0, 0)
 
+    def out_map(b, p, pt, ln):
+        return (b, p, 0, 0)
+
     in_specs = [
         pl.BlockSpec((1, H * t8, d), lambda b, p, pt, ln: (b, 0, 0)),
         pl.BlockSpec((1, t8, H), lambda b, p, pt, ln: (b, 0, 0)),
         pl.BlockSpec((1, t8, 1), lambda b, p, pt, ln: (b, 0, 0)),
     ] + [pl.BlockSpec((1, ps, a.shape[2]), key_map) for a in key_arrays]
-    out_spec = pl.BlockSpec((1, 1, t8, ps), lambda b, p, pt, ln: (b, p, 0, 0))
+    widths = [ps] + ([] if block_max is None else [ps // block_max])
+    out_specs = [pl.BlockSpec((1, 1, t8, n), out_map) for n in widths]
+    out_shape = [jax.ShapeDtypeStruct((B, P, t8, n), jnp.float32) for n in widths]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(B, P), in_specs=in_specs, out_specs=out_spec)
-    kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=t8, ps=ps)
-    out = pl.pallas_call(
+        num_scalar_prefetch=2, grid=(B, P), in_specs=in_specs, out_specs=out_specs)
+    kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=t8, ps=ps,
+                               n_keys=len(key_arrays), block_max=block_max)
+    outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, P, t8, ps), jnp.float32),
+        out_shape=out_shape,
         interpret=pltpu.InterpretParams() if interpret else False,
     )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
-    out = jnp.transpose(out, (0, 2, 1, 3)).reshape(B, t8, P * ps)[:, :T]
-    return out if max_entries is None else out[..., :max_entries]
+    outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, t8, -1)[:, :T] for o in outs]
+    return _truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)
