@@ -79,7 +79,8 @@ def test_newest_block_is_always_in_the_pool():
     score = jnp.asarray(rng.rand(1, 3, 24))
     score = score.at[0, :, 12:].set(-1.0)  # make the newest blocks score worst
     visible = jnp.arange(24) < n_vis[..., None]
-    idx, ok = indexer.candidate_pool(score, visible, n_vis, block=4, n_blocks=2)
+    idx, ok = indexer.candidate_pool(indexer.block_scores(score, visible, 4), n_vis,
+                                     block=4, n_blocks=2)
     for t, n in enumerate([5, 13, 20]):
         picked = set(np.asarray(idx[0, t])[np.asarray(ok[0, t])].tolist())
         newest = (n - 1) // 4

@@ -89,16 +89,17 @@ def block_scores(score, visible, block: int):
     return jnp.max(s.reshape(s.shape[:-1] + (nb, block)), axis=-1)
 
 
-def candidate_pool(score, visible, n_visible, block: int, n_blocks: int):
+def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
     """Entry ids [B, T, n_blocks·block] of the pool and which are real candidates.
 
-    The pool is the `n_blocks` blocks with the highest block maximum; the block holding the
-    newest visible entry is always in it (pinned with +inf), counted within `n_blocks`.
+    ``block_max`` [B, T, nb]: each block's maximum visible score (``block_scores``, or the
+    score kernels' in-kernel maxima). The pool is the `n_blocks` blocks with the highest block
+    maximum; the block holding the newest visible entry is always in it (pinned with +inf),
+    counted within `n_blocks`.
     """
-    bs = block_scores(score, visible, block)
     newest = (n_visible - 1) // block
-    pinned = (jnp.arange(bs.shape[-1]) == newest[..., None]) & (n_visible[..., None] > 0)
-    bs = jnp.where(pinned, jnp.inf, bs)
+    pinned = (jnp.arange(block_max.shape[-1]) == newest[..., None]) & (n_visible[..., None] > 0)
+    bs = jnp.where(pinned, jnp.inf, block_max)
     vals, ids = jax.lax.top_k(bs, min(n_blocks, bs.shape[-1]))
     idx = ids[..., None] * block + jnp.arange(block)
     ok = (vals > -jnp.inf)[..., None] & (idx < n_visible[..., None, None])
@@ -107,34 +108,38 @@ def candidate_pool(score, visible, n_visible, block: int, n_blocks: int):
 
 # -- the score pass over the paged global cache, through the configured implementation -----
 def resolve_impl(impl: str, key_format: str) -> str:
-    """`auto`: the compiled kernel on TPU, the XLA path elsewhere (CPU, and GPU until its
-    kernel lands). Raises for a path that cannot run this config."""
+    """`auto`: the compiled kernel for the backend (pallas_gpu on GPU, pallas_tpu on TPU) when
+    it reads this key format, the XLA path otherwise (CPU). Raises for a kernel that cannot
+    read the configured key format."""
     from dsattn.kernels.indexer_score import KERNEL_FORMATS
 
     if impl == "auto":
-        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
-        if impl == "pallas_tpu" and key_format not in KERNEL_FORMATS:
-            impl = "xla"
-    if impl == "pallas_gpu":
-        raise NotImplementedError("indexer.impl=pallas_gpu: the GPU score kernel is not "
-                                  "implemented yet; use xla, pallas_tpu or auto")
-    if impl == "pallas_tpu" and key_format not in KERNEL_FORMATS:
-        raise NotImplementedError(f"indexer.impl=pallas_tpu: the kernel reads keys stored as "
+        kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend())
+        return kernel if kernel and key_format in KERNEL_FORMATS else "xla"
+    if impl in ("pallas_tpu", "pallas_gpu") and key_format not in KERNEL_FORMATS:
+        raise NotImplementedError(f"indexer.impl={impl}: the kernel reads keys stored as "
                                   f"{', '.join(KERNEL_FORMATS)}, not cache.key_format="
                                   f"{key_format!r}")
     return impl
 
 
-def paged_scores(q, w, cache, fields, n_visible, impl: str, interpret: bool, dtype):
+def paged_scores(q, w, cache, fields, n_visible, impl: str, interpret: bool, dtype,
+                 block_max: int | None = None):
     """Scores [B, T, max_entries] of queries against every stored search key of a paged
-    cache; -inf where the entry is not visible (index >= n_visible [B, T] or >= length)."""
+    cache; -inf where the entry is not visible (index >= n_visible [B, T] or >= length).
+    With ``block_max`` also each block's maximum (``block_scores``): (scores, maxima), from
+    the kernel itself on the pallas paths."""
     from dsattn.cache import paged
-    from dsattn.kernels.indexer_score import paged_scores_tpu
 
-    if impl == "pallas_tpu":
-        return paged_scores_tpu(q, w, cache["pages"]["key"], cache["page_table"],
-                                cache["length"], n_visible, fields["key"].fmt,
-                                interpret=interpret, max_entries=cache["max_entries"].shape[0])
+    if impl in ("pallas_tpu", "pallas_gpu"):
+        if impl == "pallas_tpu":
+            from dsattn.kernels.indexer_score import paged_scores_tpu as kernel
+        else:
+            from dsattn.kernels.indexer_score_gpu import paged_scores_gpu as kernel
+        return kernel(q, w, cache["pages"]["key"], cache["page_table"], cache["length"],
+                      n_visible, fields["key"].fmt, interpret=interpret,
+                      max_entries=cache["max_entries"].shape[0], block_max=block_max)
     keys, stored = paged.read_all(cache, fields, "key", dtype)
     visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) < n_visible[..., None])
-    return jnp.where(visible, scores(q, w, keys), -jnp.inf)
+    score = jnp.where(visible, scores(q, w, keys), -jnp.inf)
+    return score if block_max is None else (score, block_scores(score, visible, block_max))

@@ -147,9 +147,9 @@ class V4Attention(nnx.Module):
                 if self.warmup and step is not None:
                     mask = jnp.where(step < self.warmup, visible, mask)
                 if self.kind == "full" and self.pool_blocks:
-                    pidx, pok = indexer.candidate_pool(score, visible,
-                                                       self._n_visible(positions),
-                                                       self.pool_block, self.pool_blocks)
+                    pidx, pok = indexer.candidate_pool(
+                        indexer.block_scores(score, visible, self.pool_block),
+                        self._n_visible(positions), self.pool_block, self.pool_blocks)
                     ctx["pool"] = indexer.selection_mask(pidx, pok, n)
                 ctx["selection"] = mask
             elif self.kind == "reuse":
@@ -204,13 +204,16 @@ class V4Attention(nnx.Module):
                 jnp.einsum("btnd,btsd->btns", iq, keys)), w)
             pick, ok = indexer.select(score, pok & got, self.top_k)
             return jnp.take_along_axis(pidx, pick, axis=-1), ok
-        score = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0], self.impl,
-                                     self.interpret, self.dtype)
-        visible = score > -jnp.inf
-        if self.kind == "full" and self.pool_blocks:
-            ctx["pool"] = indexer.candidate_pool(score, visible, n_vis[..., 0],
-                                                 self.pool_block, self.pool_blocks)
-        return indexer.select(score, visible, self.top_k)
+        if self.kind == "full" and self.pool_blocks:  # the pool ranks blocks by their maxima
+            score, maxima = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0],
+                                                 self.impl, self.interpret, self.dtype,
+                                                 block_max=self.pool_block)
+            ctx["pool"] = indexer.candidate_pool(maxima, n_vis[..., 0], self.pool_block,
+                                                 self.pool_blocks)
+        else:
+            score = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0], self.impl,
+                                         self.interpret, self.dtype)
+        return indexer.select(score, score > -jnp.inf, self.top_k)
 
     def extend(self, x, positions, valid, cache, ctx):
         q, qr = self.query(x, positions, self.theta)
