@@ -46,6 +46,7 @@ CACHE_FORMATS = (
 )
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 INDEXER_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+INDEXER_TOPK = ("exact", "approx")  # lax.top_k | lax.approx_max_k (recall 1.0; for TPU)
 KEY_NORMS = ("layernorm", "rmsnorm")
 
 
@@ -104,6 +105,7 @@ class IndexerConfig:
     dense_warmup_steps: int = 0
     impl: str = "auto"
     interpret: bool = False
+    topk: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may pick differently
 
 
 @dataclass(frozen=True)
@@ -461,6 +463,7 @@ def validate(cfg: Config) -> None:
             )
     _choice(ix.key_norm, KEY_NORMS, "indexer.key_norm")
     _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
+    _choice(ix.topk, INDEXER_TOPK, "indexer.topk")
     if ix.dense_warmup_steps < 0:
         raise ConfigError(f"indexer.dense_warmup_steps: must be >= 0")
 

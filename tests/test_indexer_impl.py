@@ -1,9 +1,10 @@
 """Every indexed preset decodes through the Pallas score kernels (TPU and GPU variants, both
 interpreted on CPU) with the same logits as the XLA path; `indexer.impl` dispatch and its
-errors."""
+errors; `indexer.topk=approx` (approx_max_k) selects what exact top-k selects without ties."""
 
 from functools import lru_cache
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -65,3 +66,29 @@ def test_auto_picks_the_backends_kernel(monkeypatch, backend, expected):
     monkeypatch.setattr(indexer.jax, "default_backend", lambda: backend)
     assert indexer.resolve_impl("auto", "fp8_fp32") == expected
     assert indexer.resolve_impl("auto", "fp4_e4m3") == "xla"  # no kernel reads this format
+
+
+def test_approx_topk_selects_the_exact_set_on_tie_free_scores():
+    rng = np.random.RandomState(1)
+    score = jnp.asarray(rng.standard_normal((3, 4, 50)), jnp.float32)  # no ties
+    visible = jnp.arange(50) < jnp.asarray(rng.randint(0, 50, (3, 4, 1)))
+    visible = visible.at[0, 0].set(True)
+    for k in (1, 8, 50):
+        exact = indexer.select(score, visible, k)
+        approx = indexer.select(score, visible, k, topk="approx")
+        np.testing.assert_array_equal(np.asarray(approx[1]).sum(-1), np.asarray(exact[1]).sum(-1))
+        for e_idx, e_ok, a_idx, a_ok in zip(*(np.asarray(a).reshape(12, -1)
+                                              for a in exact + approx)):
+            assert set(a_idx[a_ok].tolist()) == set(e_idx[e_ok].tolist())
+
+
+def test_topk_config_names_allowed_values():
+    from dsattn.config import ConfigError
+
+    with pytest.raises(ConfigError, match="indexer.topk: 'fast' is not one of: exact, approx"):
+        preset("dsa", "indexer.topk=fast")
+
+
+def test_approx_topk_decode_equals_exact():
+    np.testing.assert_allclose(preset_logits("dsa", "indexer.topk=approx"),
+                               preset_logits("dsa", "indexer.impl=xla"), atol=2e-4, rtol=2e-4)

@@ -30,7 +30,7 @@ class DSA(MLA):
         self.key_rope = ix.rope_dim
         self.page_size = cfg.cache.page_size
         self.impl = indexer.resolve_impl(ix.impl, cfg.cache.key_format)
-        self.interpret = ix.interpret
+        self.interpret, self.topk = ix.interpret, ix.topk
         self.fake_quant = cfg.cache.fake_quant
         self.fields = FrozenDict({  # hashable: module attributes are static under jit
             "latent": paged.Field(cfg.cache.main_format, self.dc + self.dr, self.dr),
@@ -58,7 +58,7 @@ class DSA(MLA):
         iq, w = self.index_q(cq, x, positions, self.theta)
         score = indexer.scores(iq, w, keys)
         visible = causal_mask(positions, positions)
-        idx, ok = indexer.select(score, visible, self.top_k)
+        idx, ok = indexer.select(score, visible, self.top_k, self.topk)
         mask = indexer.selection_mask(idx, ok, x.shape[1])
         if self.warmup and step is not None:
             mask = jnp.where(step < self.warmup, visible, mask)
@@ -77,7 +77,7 @@ class DSA(MLA):
         iq, w = self.index_q(cq, x, positions, self.theta)
         score = indexer.paged_scores(iq, w, g, self.fields, positions + 1, self.impl,
                                      self.interpret, self.dtype)
-        idx, ok = indexer.select(score, score > -jnp.inf, self.top_k)
+        idx, ok = indexer.select(score, score > -jnp.inf, self.top_k, self.topk)
         lat, _ = paged.gather(g, self.fields, "latent", idx, self.dtype)  # only the top-k
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), ok)
         return self.absorbed_output(p, lat), {"global": g}

@@ -43,15 +43,23 @@ def scores(q, w, keys):
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
 
 
-def select(score, visible, k: int):
+def select(score, visible, k: int, topk: str = "exact"):
     """Top-k entry indices [B, T, k] among the visible ones, and which picks are real.
 
-    Ties break toward the lowest index (lax.top_k is stable); when fewer than k entries are
-    visible the extra picks are marked invalid.
+    ``topk="exact"``: lax.top_k, ties break toward the lowest index (it is stable).
+    ``topk="approx"``: lax.approx_max_k with recall_target=1.0, for TPU, where it runs the
+    partial-reduce top-k instead of a sort; it returns the same set on tie-free scores, but
+    which of several tied entries it picks is unspecified (order may differ as well).
+    When fewer than k entries are visible the extra picks are marked invalid.
     """
     k = min(k, score.shape[-1])
     masked = jnp.where(visible, score, -jnp.inf)
-    vals, idx = jax.lax.top_k(masked, k)
+    if topk == "approx":
+        vals, idx = jax.lax.approx_max_k(masked, k, recall_target=1.0)
+    elif topk == "exact":
+        vals, idx = jax.lax.top_k(masked, k)
+    else:
+        raise ValueError(f"indexer.select: topk={topk!r} is not one of: exact, approx")
     return idx.astype(jnp.int32), vals > -jnp.inf
 
 

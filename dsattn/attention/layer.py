@@ -52,7 +52,7 @@ class V4Attention(nnx.Module):
         self.loss_weight, self.warmup = ix.loss_weight, ix.dense_warmup_steps
         self.key_rope = ix.rope_dim
         self.pool_blocks, self.pool_block = a.pool_blocks, a.pool_block_size
-        self.interpret = ix.interpret
+        self.interpret, self.topk = ix.interpret, ix.topk
         self.impl = indexer.resolve_impl(ix.impl, c.key_format) if self.kind in OWN_INDEXER else ""
         # Under CED, decoder full layers compress the encoder's output.
         self.from_encoder = bool(a.ced_split) and layer >= a.ced_split and self.kind == "full"
@@ -142,7 +142,7 @@ class V4Attention(nnx.Module):
                 candidates = visible
                 if self.kind == "reindex" and "pool" in ctx:
                     candidates = visible & ctx["pool"]
-                sel, ok = indexer.select(score, candidates, self.top_k)
+                sel, ok = indexer.select(score, candidates, self.top_k, self.topk)
                 mask = indexer.selection_mask(sel, ok, n)
                 if self.warmup and step is not None:
                     mask = jnp.where(step < self.warmup, visible, mask)
@@ -202,7 +202,7 @@ class V4Attention(nnx.Module):
             keys, got = paged.gather(g, self.fields, "key", pidx, self.dtype)
             score = jnp.einsum("btns,btn->bts", jax.nn.relu(
                 jnp.einsum("btnd,btsd->btns", iq, keys)), w)
-            pick, ok = indexer.select(score, pok & got, self.top_k)
+            pick, ok = indexer.select(score, pok & got, self.top_k, self.topk)
             return jnp.take_along_axis(pidx, pick, axis=-1), ok
         if self.kind == "full" and self.pool_blocks:  # the pool ranks blocks by their maxima
             score, maxima = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0],
@@ -213,7 +213,7 @@ class V4Attention(nnx.Module):
         else:
             score = indexer.paged_scores(iq, w, g, self.fields, n_vis[..., 0], self.impl,
                                          self.interpret, self.dtype)
-        return indexer.select(score, score > -jnp.inf, self.top_k)
+        return indexer.select(score, score > -jnp.inf, self.top_k, self.topk)
 
     def extend(self, x, positions, valid, cache, ctx):
         q, qr = self.query(x, positions, self.theta)
