@@ -1,0 +1,224 @@
+"""Benchmarks behind scripts/bench.py: decode step time against context, prefill time and
+peak memory, training throughput, and each decode step's bytes (kvbytes) against a copy
+bandwidth measured in the same run (a roofline).
+
+Every figure is measured on this process's backend with ``block_until_ready`` and reported as
+a median after warm-up; ratios are only meaningful within one run (shared, noisy machines).
+Decode contexts are built by ``synthetic_context``: the cache holds exactly what a real
+prefill of n tokens would leave in its lengths, positions and page tables, with random
+values, because a step's cost does not depend on the values and a real dense prefill of
+64K tokens would take hours on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsattn import config as config_lib
+from dsattn import data, generate, kvbytes
+from dsattn.cache import paged
+from dsattn.model import Transformer
+
+PRESETS = ("mha", "mla", "dsa", "v4", "v41")
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny")
+
+
+def bench_config(name: str, depth: int | None, *overrides: str):
+    """A tiny preset in float32 at a common depth (single-kind presets repeat their layer;
+    v4 keeps its two SWA layers and alternates CSA/HCA; v41 keeps its preset stack)."""
+    extra = ["model.dtype=float32", "model.max_seq_len=1048576"]
+    if depth is not None and name in ("mha", "mla", "dsa", "gqa", "mqa"):
+        extra.append(f"model.n_layers={depth}")
+    elif depth is not None and name == "v4":
+        if depth < 4 or depth % 2:
+            raise ValueError(f"bench: v4 depth must be even and >= 4, got {depth}")
+        extra += [f"model.n_layers={depth}", f"attention.layers=swa*2, (csa, hca)*{(depth - 2) // 2}"]
+    cfg = config_lib.load(os.path.join(_CONFIG_DIR, f"{name}.yaml"), [*extra, *overrides])
+    return cfg
+
+
+# ------------------------------------------------------------------------------ contexts
+def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) -> dict:
+    """The cache after n tokens per row, with random values: ``pos`` = n, ring slots hold
+    positions n-W..n-1, each global cache holds n // ratio complete entries (appended through
+    ``paged.append``, so page tables and free stacks are real), contiguous caches are filled.
+    Streaming compressor state stays empty (n is expected to be a multiple of every ratio)."""
+    key = jax.random.PRNGKey(seed)
+    b = cache["pos"].shape[0]
+    if n > generate.cache_capacity(cache):
+        raise ValueError(f"synthetic_context: {n} tokens exceed the cache's "
+                         f"{generate.cache_capacity(cache)} positions")
+
+    def rand(shape, dtype):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        if jnp.issubdtype(dtype, jnp.floating):
+            if jnp.dtype(dtype).itemsize == 1:  # FP8 values / E8M0 scales: a safe 1.0
+                return jnp.ones(shape, dtype)
+            return (0.5 * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+        return jax.random.randint(sub, shape, 0, 256).astype(dtype)  # packed FP4 bytes
+
+    layers = []
+    for block, lc in zip(model.blocks, cache["layers"]):
+        attn, lc = block.attn, dict(lc)
+        for name, part in lc.items():
+            if name == "ring":
+                w = part["pos"].shape[1]
+                slot = jnp.arange(w)
+                first = max(n - w, 0)
+                pos = first + (slot - first) % w
+                pos = jnp.where(pos < n, pos, -1)
+                lc[name] = {"kv": jax.tree.map(lambda a: rand(a.shape, a.dtype), part["kv"]),
+                            "pos": jnp.broadcast_to(pos, part["pos"].shape).astype(jnp.int32)}
+            elif name == "global":
+                ratio = getattr(attn, "ratio", 1) or 1
+                e = n // ratio
+                new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in attn.fields.items()}
+                lc[name] = paged.append(part, attn.fields, new, jnp.full((b,), e, jnp.int32))
+            elif name not in ("comp", "key_comp"):  # contiguous caches: every leaf
+                lc[name] = jax.tree.map(lambda a: rand(a.shape, a.dtype), part)
+        layers.append(lc)
+    out = {**cache, "pos": jnp.full((b,), n, jnp.int32), "layers": tuple(layers)}
+    generate.check_cache(out)
+    return out
+
+
+# ------------------------------------------------------------------------------ measures
+def _median_ms(times) -> float:
+    return float(np.median(times) * 1e3)
+
+
+def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
+                warmup: int = 2) -> dict:
+    """Median decode step (ms) with `context` tokens cached per row; first-call time and the
+    number of decode programs compiled for it."""
+    bound = generate.bind(model)
+    cache = generate.init_cache(model, batch, context + warmup + steps + 1)
+    cache = synthetic_context(model, cache, context)
+    jax.block_until_ready(cache)
+    tok = jnp.zeros((batch,), jnp.int32)
+    compiled_before = generate.decode_compilations()
+    t0 = time.perf_counter()
+    logits, cache = generate.decode_step(bound, tok, cache)
+    logits.block_until_ready()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        logits, cache = generate.decode_step(bound, jnp.argmax(logits, -1), cache)
+    logits.block_until_ready()
+    times = []
+    for _ in range(steps):
+        tok = jnp.argmax(logits, -1).astype(jnp.int32).block_until_ready()
+        t0 = time.perf_counter()
+        logits, cache = generate.decode_step(bound, tok, cache)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    generate.check_cache(cache)
+    step = _median_ms(times)
+    return {"step_ms": step, "tokens_per_s": batch * 1e3 / step,
+            "first_call_s": first, "compile_s": max(first - step / 1e3, 0.0),
+            "compilations": generate.decode_compilations() - compiled_before}
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def time_prefill(model: Transformer, n: int, replay=None,
+                 chunk: int = generate.PREFILL_CHUNK, seed: int = 0) -> dict:
+    """Seconds for one n-token prompt (batch 1) after a compile run of one chunk, and the
+    process's peak RSS above its level before the prompt (the empty cache included), read
+    from /proc (None where it cannot be reset)."""
+    bound = generate.bind(model)
+    toks = np.random.RandomState(seed).randint(0, model.cfg.model.vocab_size, (1, n))
+    # Compile on the same shapes: the first chunk into a cache of the same capacity.
+    warm = generate.init_cache(model, 1, n)
+    width = min(n, chunk)
+    generate.prefill(bound, toks[:, :width], [width], warm, replay=replay,
+                     chunk=chunk)[0].block_until_ready()
+    if n % chunk and n > chunk:  # the tail bucket compiles too
+        tail = n % chunk
+        warm = generate.init_cache(model, 1, n)
+        generate.prefill(bound, toks[:, :tail], [tail], warm, replay=replay,
+                         chunk=chunk)[0].block_until_ready()
+    del warm
+    cache = generate.init_cache(model, 1, n)
+    jax.block_until_ready(cache)
+    base = _rss_bytes("VmRSS")
+    ok = _reset_peak_rss()
+    t0 = time.perf_counter()
+    logits, cache = generate.prefill(bound, toks, [n], cache, replay=replay, chunk=chunk)
+    logits.block_until_ready()
+    seconds = time.perf_counter() - t0
+    peak = _rss_bytes("VmHWM") - base if ok else None
+    return {"seconds": seconds, "tokens_per_s": n / seconds, "peak_rss_bytes": peak,
+            "evaluations": int(cache["evaluations"])}
+
+
+def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
+    """Training tokens/s (forward, backward, AdamW update) at `seq_len` after one step."""
+    from dsattn.train import Trainer
+
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len,
+                                                             batch_size=batch))
+    with tempfile.TemporaryDirectory() as run_dir:
+        tr = Trainer(cfg, run_dir, quiet=True)
+        batches = [{k: jnp.asarray(v) for k, v in
+                    data.batch_at(tr.corpus.train, s, batch, seq_len, cfg.train.seed).items()}
+                   for s in range(steps + 1)]
+        params, opt = tr.params, tr.opt_state
+        t0 = time.perf_counter()
+        params, opt, m = tr._train_step(params, opt, batches[0], jnp.int32(0))
+        jax.block_until_ready(m)
+        first = time.perf_counter() - t0
+        times = []
+        for s in range(1, steps + 1):
+            t0 = time.perf_counter()
+            params, opt, m = tr._train_step(params, opt, batches[s], jnp.int32(s))
+            jax.block_until_ready(m)
+            times.append(time.perf_counter() - t0)
+    step = float(np.median(times))
+    return {"step_s": step, "tokens_per_s": batch * seq_len / step, "first_call_s": first}
+
+
+def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write, as STREAM's Copy counts) by numpy copying an
+    n_bytes array: the machine's practical memory bandwidth for the roofline."""
+    a = np.ones(n_bytes // 8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.nbytes / float(np.median(times))
+
+
+def decode_bytes(cfg, context: int, batch: int) -> int:
+    """Cache bytes one decode step must read (kvbytes, stored formats), all rows."""
+    return int(kvbytes.report(cfg, context)["read_bytes"]) * batch
+
+
+def param_bytes(model: Transformer) -> int:
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
