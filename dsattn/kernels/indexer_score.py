@@ -72,7 +72,7 @@ def check_block_max(block_max, page_size: int, who: str) -> None:
                          f"page size {page_size}")
 
 
-def _truncate(out, maxima, block_max, max_entries):
+def truncate(out, maxima, block_max, max_entries):
     """Cut scores (and maxima) to ``max_entries`` columns; the pair when block_max is set."""
     if max_entries is not None:
         out = out[..., :max_entries]
@@ -104,7 +104,7 @@ def reference_scores(q, w, pages, page_table, length, n_visible, fmt: str, *,
     maxima = None
     if block_max is not None:
         maxima = jnp.max(score.reshape(score.shape[:-1] + (-1, block_max)), axis=-1)
-    return _truncate(score, maxima, block_max, max_entries)
+    return truncate(score, maxima, block_max, max_entries)
 
 
 # -- shared by the TPU and GPU kernels -----------------------------------------------------
@@ -271,4 +271,4 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         interpret=pltpu.InterpretParams() if interpret else False,
     )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
     outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, t8, -1)[:, :T] for o in outs]
-    return _truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)
+    return truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)

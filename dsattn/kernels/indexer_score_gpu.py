@@ -19,6 +19,10 @@ because the Triton backend has no scalar prefetch and no DMA:
 ``block_k`` (power of two >= 16) and ``block_t`` are parameters; ``DEFAULTS`` holds the
 defaults used on a GPU (and in interpret mode). ``interpret=True`` runs the kernel in the
 generic Pallas interpreter, which is how the tests check it on CPU; compiled, it needs a GPU.
+Without one, tests/test_kernels.py still lowers it to Triton IR (``lowering_platforms=
+("cuda",)``), which checks every op, tile shape and dtype against the Triton lowering.
+``precision``: HIGHEST (the default, equal to the reference) makes Triton run IEEE float32
+dots on CUDA cores, which spill registers at H=64, d=128; DEFAULT uses TF32 tensor cores.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsattn.kernels.indexer_score import (_truncate, block_maxima, check_block_max,
-                                          dequant_dots, kernel_inputs)
+from dsattn.kernels.indexer_score import (block_maxima, check_block_max, dequant_dots,
+                                          kernel_inputs, truncate)
 
 DEFAULTS = dict(block_k=64, rows=64, num_warps=4, num_stages=2)  # rows: q rows per program
 
@@ -156,4 +160,4 @@ def paged_scores_gpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     outs = [o[:, :, :block_t].reshape(B, n_t * block_t, -1)[:, :T] for o in outs]
     scores = outs[0][..., :P * ps]
     maxima = outs[1][..., :P * ps // block_max] if block_max is not None else None
-    return _truncate(scores, maxima, block_max, max_entries)
+    return truncate(scores, maxima, block_max, max_entries)
