@@ -24,23 +24,38 @@ PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk Â
 
 
 class Bound(NamedTuple):
-    """A model split once into (graphdef, state): a snapshot for a generation loop.
+    """A model split once into (graphdef, state), with its compiled programs: a snapshot for
+    a generation loop.
 
-    `nnx.split` walks the whole module graph (about 5 ms for a tiny model, several times a
-    tiny decode step), so loops bind once and pass the Bound to prefill/decode_step.
-    Later in-place changes to the model's weights are not seen by an existing Bound.
+    `nnx.split` walks the whole module graph (about 5 ms for a tiny model) and hashing the
+    graphdef, as a static jit argument would on every call, costs about 3 ms (a 10-layer
+    tiny model): both exceed a tiny decode step, so loops bind once and pass the Bound to
+    prefill/decode_step. Later in-place changes to the model's weights are not seen by an
+    existing Bound.
     """
 
     graphdef: Any
     state: Any
     cfg: Any
+    prefill_fn: Any
+    decode_fn: Any
+
+
+# Jitted programs per graphdef (models of one config share them; looked up once per bind).
+_PROGRAMS: dict = {}
 
 
 def bind(model) -> Bound:
     if isinstance(model, Bound):
         return model
     graphdef, state = nnx.split(model)
-    return Bound(graphdef, state, model.cfg)
+    fns = _PROGRAMS.get(graphdef)
+    if fns is None:
+        # Distinct jit objects, so decode's compile count stands alone.
+        fns = _PROGRAMS[graphdef] = (
+            jax.jit(partial(_extend_impl, graphdef), static_argnums=4, donate_argnums=3),
+            jax.jit(partial(_decode_impl, graphdef), donate_argnums=3))
+    return Bound(graphdef, state, model.cfg, *fns)
 
 
 def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
@@ -81,15 +96,9 @@ def _decode_impl(graphdef, state, tokens, n_new, cache):
     return _extend_impl(graphdef, state, tokens, n_new, cache)
 
 
-# Two jitted entry points (distinct functions, so jit caches them apart): decode's compile
-# count stands alone.
-_prefill_jit = jax.jit(_extend_impl, static_argnums=(0, 5), donate_argnums=4)
-_decode_jit = jax.jit(_decode_impl, static_argnums=0, donate_argnums=4)
-
-
 def decode_compilations() -> int:
     """How many distinct decode_step programs have been compiled in this process."""
-    return _decode_jit._cache_size()
+    return sum(decode._cache_size() for _, decode in _PROGRAMS.values())
 
 
 def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
@@ -134,8 +143,8 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
         padded = np.zeros((b, width), np.int32)
         part = tokens[:, c0: c0 + width]
         padded[:, : part.shape[1]] = part
-        out, cache = _prefill_jit(m.graphdef, m.state, jnp.asarray(padded), jnp.asarray(n_new),
-                                  cache, replay, replay_from)
+        out, cache = m.prefill_fn(m.state, jnp.asarray(padded), jnp.asarray(n_new), cache,
+                                  replay, replay_from)
         # Each row's logits come from the chunk holding its last prompt token.
         logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None], out,
                                                       logits)
@@ -181,7 +190,7 @@ def decode_step(model: Transformer | Bound, next_tokens, cache):
     tokens = jnp.asarray(next_tokens, jnp.int32).reshape(-1, 1)
     m = bind(model)
     ones = jnp.ones((tokens.shape[0],), jnp.int32)
-    return _decode_jit(m.graphdef, m.state, tokens, ones, cache)
+    return m.decode_fn(m.state, tokens, ones, cache)
 
 
 # ------------------------------------------------------------------------------ sampling
