@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--train-batch", type=int, default=2)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--peer", choices=["hf"], default=None)
+    ap.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads for the peer (default: every core, as XLA uses)")
     ap.add_argument("--peer-contexts", type=ints, default=ints("1024,4096,16384"))
     ap.add_argument("--peer-forward", type=ints, default=ints("1024,4096"))
     ap.add_argument("--copy-mb", type=int, default=256)
@@ -116,7 +118,7 @@ def run_peer(args) -> dict:
         return {"name": "hf", "unavailable": why}
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.peer_threads)
     cfg = bench.bench_config("v4", args.depth, *args.set)
     model, notes = peer_hf.build(cfg)
     rec = {"name": "hf", "preset": "v4", "notes": notes, "decode": [], "forward": []}
@@ -127,7 +129,10 @@ def run_peer(args) -> dict:
             rec["decode"].append({**d, "context": ctx, "batch": batch})
     for n in args.peer_forward:
         log(f"peer hf: forward {n} tokens ...")
-        rec["forward"].append({"tokens": n, "seconds": peer_hf.time_forward(model, n)})
+        try:
+            rec["forward"].append({"tokens": n, "seconds": peer_hf.time_forward(model, n)})
+        except MemoryError as e:  # its dense masks are quadratic: refused, not run
+            rec["forward"].append({"tokens": n, "seconds": None, "refused": str(e)})
     return rec
 
 
@@ -230,8 +235,9 @@ def fmt_table(result) -> str:
             lines.append(f"{name:8}{n:>8}{e['seconds']:>10.2f}{mb(e)}" + (
                 f"{r['seconds']:>10.2f}{mb(r)}{r['seconds'] / e['seconds']:>13.2f}" if r else ""))
     for f in peer.get("forward", []):
-        lines.append(f"{'hf peer':8}{f['tokens']:>8}{f['seconds']:>10.2f}  (teacher-forced "
-                     f"forward)")
+        secs = f"{f['seconds']:>10.2f}" if f["seconds"] is not None else f"{'refused':>10}"
+        lines.append(f"{'hf peer':8}{f['tokens']:>8}{secs}  (teacher-forced forward"
+                     f"{', ' + f['refused'] if f.get('refused') else ''})")
     trains = [(n, r["train"]) for n, r in result["presets"].items() if r["train"]]
     if trains:
         lines.append(f"\ntraining at sequence {result['args']['train_seq']}, batch "
