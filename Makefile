@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PEER_STAMP := $(VENV)/.installed-peer
 
 .PHONY: demo test install clean
 
@@ -12,12 +13,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The tests also cover the benchmark's Hugging Face peer (torch CPU + transformers).
+$(PEER_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[dev,peer]"
+	touch $(PEER_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP)
+test: $(PEER_STAMP)
 	$(BIN)/python -m pytest -q -x -n 2 --durations=15 tests
 
 clean:
