@@ -9,6 +9,7 @@ The cache keeps one latent C^KV (kv_lora_rank dims, RMS-normed) and one rotary k
   weighted sum, so keys and values are never expanded.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -88,16 +89,27 @@ class MLA(nnx.Module):
         w_uk, _ = self._up()
         q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, w_uk)  # fold W^UK into the query
         sd = softmax_dtype(q_nope.dtype)
-        kv = "bsc" if lat.ndim == 3 else "bqsc"
-        s = jnp.einsum(f"bqhc,{kv}->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
-        s = s + jnp.einsum(f"bqhr,{kv.replace('c', 'r')}->bhqs", q_pe, lat[..., self.dc:],
+        if lat.ndim == 3:  # one [B, Tq·H, dc+dr] x [B, S, dc+dr] product, cache read in place
+            b, tq, h = q_abs.shape[:3]
+            qq = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], -1).reshape(b, tq * h, -1)
+            s = jax.lax.dot_general(qq, lat.astype(qq.dtype), (((2,), (2,)), ((0,), (0,))),
+                                    preferred_element_type=sd)
+            return jnp.transpose(s.reshape(b, tq, h, -1), (0, 2, 1, 3)) * self.scale
+        s = jnp.einsum("bqhc,bqsc->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
+        s = s + jnp.einsum("bqhr,bqsr->bhqs", q_pe, lat[..., self.dc:],
                            preferred_element_type=sd)
         return s * self.scale
 
     def absorbed_output(self, p, lat):
         _, w_uv = self._up()
-        kv = "bsc" if lat.ndim == 3 else "bqsc"
-        o_lat = jnp.einsum(f"bhqs,{kv}->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
+        if lat.ndim == 3:  # [B, Tq·H, S] x [B, S, dc]: a plain batched matmul over the cache
+            b, h, tq, n = p.shape
+            pp = jnp.transpose(p, (0, 2, 1, 3)).reshape(b, tq * h, n).astype(lat.dtype)
+            # over the whole stored row (slicing off the rope dims first would copy the cache)
+            o_lat = jax.lax.dot_general(pp, lat, (((2,), (1,)), ((0,), (0,))))
+            o_lat = o_lat.reshape(b, tq, h, -1)[..., : self.dc]
+        else:
+            o_lat = jnp.einsum("bhqs,bqsc->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
         o = jnp.einsum("bqhc,chv->bqhv", o_lat, w_uv)  # W^UV after the weighted sum
         return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
 
