@@ -24,3 +24,23 @@ def masked_softmax(scores, mask):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(scores - jax.lax.stop_gradient(m))
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(e.dtype).tiny)
+
+
+# Products against keys shared by every query and head ([B, S, c]: a cache as stored). Written
+# as one [B, T·H, c] x [B, S, c] dot_general so XLA reads the keys in their stored layout; the
+# equivalent 4-D einsum made XLA:CPU transpose (copy) all S keys first.
+def shared_scores(q, keys, preferred_element_type=None):
+    """q [B, T, H, c] · keys [B, S, c] -> [B, T, H, S]."""
+    b, t, h, c = q.shape
+    dt = jnp.promote_types(q.dtype, keys.dtype)
+    s = jax.lax.dot_general(q.reshape(b, t * h, c).astype(dt), keys.astype(dt), (((2,), (2,)), ((0,), (0,))),
+                            preferred_element_type=preferred_element_type)
+    return s.reshape(b, t, h, -1)
+
+
+def shared_mix(p, values):
+    """p [B, T, H, S] · values [B, S, c] -> [B, T, H, c]."""
+    b, t, h, n = p.shape
+    dt = jnp.promote_types(p.dtype, values.dtype)
+    o = jax.lax.dot_general(p.reshape(b, t * h, n).astype(dt), values.astype(dt), (((2,), (1,)), ((0,), (0,))))
+    return o.reshape(b, t, h, -1)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention.common import softmax_dtype
+from dsattn.attention.common import shared_mix, shared_scores, softmax_dtype
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope_last
 
@@ -24,8 +24,10 @@ def attend(q, parts, sink):
     scale = q.shape[-1] ** -0.5
     logits = []
     for entries, mask in parts:
-        eq = "bthc,bsc->bths" if entries.ndim == 3 else "bthc,btsc->bths"
-        s = jnp.einsum(eq, q, entries, preferred_element_type=sd) * scale
+        if entries.ndim == 3:
+            s = shared_scores(q, entries, preferred_element_type=sd) * scale
+        else:
+            s = jnp.einsum("bthc,btsc->bths", q, entries, preferred_element_type=sd) * scale
         logits.append(jnp.where(mask[:, :, None, :], s, -jnp.inf))
     sizes = [l.shape[-1] for l in logits]
     s = jnp.concatenate(logits, axis=-1)
@@ -38,8 +40,10 @@ def attend(q, parts, sink):
         pp = p[..., start: start + size]
         start += size
         probs.append(pp)
-        eq = "bths,bsc->bthc" if entries.ndim == 3 else "bths,btsc->bthc"
-        out = out + jnp.einsum(eq, pp.astype(entries.dtype), entries)
+        if entries.ndim == 3:
+            out = out + shared_mix(pp.astype(entries.dtype), entries)
+        else:
+            out = out + jnp.einsum("bths,btsc->bthc", pp.astype(entries.dtype), entries)
     return out, probs
 
 

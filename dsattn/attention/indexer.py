@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention.common import softmax_dtype
+from dsattn.attention.common import shared_scores, softmax_dtype
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope_last
 
@@ -39,7 +39,7 @@ class IndexerQuery(nnx.Module):
 def scores(q, w, keys):
     """I [B, T, S] for queries q [B,T,n,d], weights w [B,T,n] and keys [B,S,d]."""
     sd = softmax_dtype(q.dtype)
-    dots = jnp.einsum("btnd,bsd->btns", q, keys, preferred_element_type=sd)
+    dots = shared_scores(q, keys, preferred_element_type=sd)
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
 
 
