@@ -110,12 +110,14 @@ def test_sampling_top_p_keeps_only_the_nucleus():
     assert int(generate.sample(logits, keys[0])[0]) == 0  # greedy
 
 
-@pytest.mark.parametrize("name, replay", [("v4", None), ("v41", None), ("v41", 20)])
-def test_prefill_in_chunks_equals_one_chunk(name, replay):
+@pytest.mark.parametrize("name, overrides, replay", [
+    ("v4", ("attention.layers=swa, csa, hca", "model.n_layers=3"), None),
+    ("v41", (), 20)])  # replay: the encoder runs exactly, the decoder over a chunk boundary
+def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
     """A prompt longer than `chunk` runs chunk by chunk (ragged rows end in different chunks,
     replay spans a chunk boundary): the same logits, and decoding on from either cache gives
     the same logits (pages may be allocated in another order)."""
-    model = tiny_model(name)
+    model = tiny_model(name, *overrides)
     lengths = np.asarray([45, 20, 33])
     toks = np.random.RandomState(3).randint(0, 256, (3, 52))
     runs = []

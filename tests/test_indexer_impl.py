@@ -31,7 +31,9 @@ def decode_logits(cfg, toks, lengths, n_decode):
 CASES = {
     "dsa": ("attention.top_k=8", "model.n_layers=2"),
     "v4": ("attention.layers=swa, csa, hca", "model.n_layers=3"),
-    "v41": ("cache.key_format=fp4_ue8m0",),  # keys dequantized from FP4 in-kernel; pool maxima
+    # full (pool maxima from the kernel) -> reindex (scores the pool) -> reuse; FP4 keys
+    "v41": ("cache.key_format=fp4_ue8m0", "model.n_layers=4", "attention.ced_split=0",
+            "attention.layers=swa, full, reindex, reuse", "attention.ratios=0, 2, 2, 2"),
 }
 
 
