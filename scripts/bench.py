@@ -266,12 +266,12 @@ def plot(result, out_dir: str) -> list[str]:
     paths = []
     peer = result.get("peer") or {}
     fig, ax = plt.subplots(figsize=(7, 5))
-    for name, rec in result["presets"].items():
+    for i, (name, rec) in enumerate(result["presets"].items()):  # one colour per preset
         for batch, style in ((1, "-"), (8, "--")):
             pts = sorted((d["context"], d["step_ms"]) for d in rec["decode"]
                          if d["batch"] == batch)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{name} b{batch}")
+                ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{name} b{batch}")
     pts = sorted((d["context"], d["step_ms"]) for d in peer.get("decode", []))
     if pts:
         ax.plot(*zip(*pts), ":", marker="s", color="k", label="HF V4 peer b1")
@@ -281,15 +281,16 @@ def plot(result, out_dir: str) -> list[str]:
     paths.append(_save(fig, out_dir, "decode.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for name, rec in result["presets"].items():
+    for i, (name, rec) in enumerate(result["presets"].items()):
         for replay, style in ((False, "-"), (True, "--")):
             pts = sorted((p["tokens"], p["seconds"], p["peak_rss_bytes"] or 0)
                          for p in rec["prefill"] if bool(p["replay"]) == replay)
             if pts:
                 lab = f"{name}{' replay' if replay else ''}"
-                a1.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=lab)
+                a1.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
+                        color=f"C{i}", label=lab)
                 a2.plot([p[0] for p in pts], [p[2] / 1e6 for p in pts], style, marker="o",
-                        label=lab)
+                        color=f"C{i}", label=lab)
     a1.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds",
            title="Prefill time (exact vs bounded replay)")
     a2.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="peak RSS (MB)",
@@ -298,12 +299,12 @@ def plot(result, out_dir: str) -> list[str]:
     paths.append(_save(fig, out_dir, "prefill.png"))
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    for name, rec in result["presets"].items():
+    for i, (name, rec) in enumerate(result["presets"].items()):
         for batch, style in ((1, "-"), (8, "--")):
             pts = sorted((d["context"], d["roofline_fraction"]) for d in rec["decode"]
                          if d["batch"] == batch)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{name} b{batch}")
+                ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{name} b{batch}")
     ax.axhline(0.5, color="gray", lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)",
            ylabel="cache bytes read / step time / copy bandwidth",
