@@ -82,7 +82,8 @@ def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) ->
                 ratio = getattr(attn, "ratio", 1) or 1
                 e = n // ratio
                 new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in attn.fields.items()}
-                lc[name] = paged.append(part, attn.fields, new, jnp.full((b,), e, jnp.int32))
+                append = jax.jit(lambda p, x, k, f=attn.fields: paged.append(p, f, x, k))
+                lc[name] = append(part, new, jnp.full((b,), e, jnp.int32))  # one compile
             elif name not in ("comp", "key_comp"):  # contiguous caches: every leaf
                 lc[name] = jax.tree.map(lambda a: rand(a.shape, a.dtype), part)
         layers.append(lc)

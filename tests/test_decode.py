@@ -110,9 +110,9 @@ def test_sampling_top_p_keeps_only_the_nucleus():
     assert int(generate.sample(logits, keys[0])[0]) == 0  # greedy
 
 
-@pytest.mark.parametrize("name, overrides, replay", [
-    ("v4", ("attention.layers=swa, csa, hca", "model.n_layers=3"), None),
-    ("v41", (), 20)])  # replay: the encoder runs exactly, the decoder over a chunk boundary
+# v41 with replay: the encoder's chunks run exactly, the decoder's replay spans a chunk
+# boundary. (Chunks continuing a cache exactly: test_v4.py's chunked prefill.)
+@pytest.mark.parametrize("name, overrides, replay", [("v41", (), 20)])
 def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
     """A prompt longer than `chunk` runs chunk by chunk (ragged rows end in different chunks,
     replay spans a chunk boundary): the same logits, and decoding on from either cache gives
