@@ -465,7 +465,7 @@ def validate(cfg: Config) -> None:
     _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
     _choice(ix.topk, INDEXER_TOPK, "indexer.topk")
     if ix.dense_warmup_steps < 0:
-        raise ConfigError(f"indexer.dense_warmup_steps: must be >= 0")
+        raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
 
     for role in ("local_format", "main_format", "key_format"):
         _choice(getattr(c, role), CACHE_FORMATS, f"cache.{role}")

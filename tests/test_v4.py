@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn import generate, train
+from dsattn import train
 from dsattn.attention import core, indexer
 from tests.conftest import forward, preset, tiny_model
 from tests.test_decode import check_decode_matches_forward, check_two_chunk_prefill
