@@ -19,8 +19,7 @@ from dsattn import config as config_lib
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 
 
-class CheckpointMismatch(ValueError):
-    """A checkpoint belongs to a different model config."""
+from dsattn.errors import CheckpointMismatch  # noqa: F401  (re-exported)
 
 
 def save_config(run_dir: Path, cfg) -> None:

@@ -21,8 +21,7 @@ from pathlib import Path
 import yaml
 
 
-class ConfigError(ValueError):
-    """A config value is unknown, mistyped or inconsistent; the message names the key."""
+from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
 
 
 # Layer kinds. full/reindex/reuse are V4.1's CSA2 layers in their three sharing modes.

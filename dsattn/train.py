@@ -24,8 +24,7 @@ from dsattn.config import Config
 from dsattn.model import Transformer
 
 
-class NonFiniteLoss(FloatingPointError):
-    """The training loss became NaN or inf."""
+from dsattn.errors import NonFiniteLoss  # noqa: F401  (re-exported)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

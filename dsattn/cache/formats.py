@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsattn.config import ConfigError
+from dsattn.errors import ConfigError
 
 
 @dataclass(frozen=True)

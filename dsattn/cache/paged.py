@@ -54,8 +54,7 @@ class Field(NamedTuple):
     rope: int = 0
 
 
-class CacheExhausted(RuntimeError):
-    """The global cache pool (or a row's page table) could not hold an append."""
+from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
