@@ -88,6 +88,26 @@ def test_newest_block_is_always_in_the_pool():
         assert all(i < n for i in picked)
 
 
+def test_pool_selection_breaks_ties_like_the_dense_mask():
+    """Cached execution ranks the pooled candidates in pool order, the forward masks entries
+    in index order: tied scores (ReLU makes exact zeros common) must pick the same entries,
+    the lowest entry ids, both ways."""
+    score = jnp.zeros((1, 1, 16)).at[0, 0, 10].set(9.0)  # blocks of 4: block 2 holds the 9
+    n_vis = jnp.asarray([[16]])
+    visible = jnp.ones((1, 1, 16), bool)
+    pidx, pok = indexer.candidate_pool(indexer.block_scores(score, visible, 4), n_vis,
+                                       block=4, n_blocks=2)  # block 3 pinned, block 2 best
+    # the forward: top-k over every entry, restricted to the pool by a mask
+    in_pool = indexer.selection_mask(pidx, pok, 16)
+    sel, ok = indexer.select(score, visible & in_pool, 2)
+    dense = set(np.asarray(sel[0, 0])[np.asarray(ok[0, 0])].tolist())
+    # cached execution: top-k over the gathered pool scores, mapped back to entry ids
+    pick, ok = indexer.select(jnp.take_along_axis(score, pidx, -1), pok, 2)
+    gathered = set(np.asarray(jnp.take_along_axis(pidx, pick, -1)[0, 0])[np.asarray(ok[0, 0])])
+    assert dense == {10, 8}  # the 9, then the lowest-index zero inside the pool
+    assert gathered == dense
+
+
 def test_replay_covering_the_prompt_equals_exact_prefill():
     model = tiny_model("v41")
     toks = np.random.RandomState(2).randint(0, 256, (2, 40))

@@ -103,12 +103,16 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
     ``block_max`` [B, T, nb]: each block's maximum visible score (``block_scores``, or the
     score kernels' in-kernel maxima). The pool is the `n_blocks` blocks with the highest block
     maximum; the block holding the newest visible entry is always in it (pinned with +inf),
-    counted within `n_blocks`.
+    counted within `n_blocks`. Ids come in ascending order.
     """
     newest = (n_visible - 1) // block
     pinned = (jnp.arange(block_max.shape[-1]) == newest[..., None]) & (n_visible[..., None] > 0)
     bs = jnp.where(pinned, jnp.inf, block_max)
     vals, ids = jax.lax.top_k(bs, min(n_blocks, bs.shape[-1]))
+    # Entry ids ascending, so top-k ties inside the pool (ReLU makes exact zeros common)
+    # break toward the lowest entry id, as in the forward's dense mask.
+    order = jnp.argsort(ids, axis=-1)
+    ids, vals = (jnp.take_along_axis(a, order, axis=-1) for a in (ids, vals))
     idx = ids[..., None] * block + jnp.arange(block)
     ok = (vals > -jnp.inf)[..., None] & (idx < n_visible[..., None, None])
     return idx.reshape(idx.shape[:-2] + (-1,)).astype(jnp.int32), ok.reshape(ok.shape[:-2] + (-1,))
