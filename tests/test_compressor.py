@@ -122,7 +122,9 @@ def test_rope_entries_at_span_start():
     ent = comp.block(jnp.asarray(np.random.default_rng(4).normal(size=(1, 12, D_IN))))
     idx = jnp.arange(3)[None]
     got = np.asarray(comp.rope_entries(ent, idx, 4, 10000.0))
-    np.testing.assert_array_equal(got, np.asarray(apply_rope_last(ent, idx * 4, 10000.0, 4)))
+    # two separately compiled programs: equal to rounding, not bit for bit
+    np.testing.assert_allclose(got, np.asarray(apply_rope_last(ent, idx * 4, 10000.0, 4)),
+                               rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(got[..., :-4], np.asarray(ent[..., :-4]))
     # the first pair of the rotated tail (frequency 1) turns by angle i·m
     a, e = 4.0 * np.arange(3), np.asarray(ent[0, :, -4:-2])
@@ -237,12 +239,10 @@ def test_ratio_one_passes_through():
     comp, params, step, block = setup(1, False, False)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(ROWS, 4, D_IN)))
     want = np.asarray(comp.norm(comp.wkv(x)))
-    np.testing.assert_array_equal(np.asarray(comp.block(x)), want)
+    np.testing.assert_allclose(np.asarray(comp.block(x)), want, rtol=1e-12, atol=1e-12)
     pos = jnp.broadcast_to(jnp.arange(4) + 5, (ROWS, 4))
     _, ent, idx, ok = step(params, comp.init_state(ROWS), x, pos, jnp.ones((ROWS, 4), bool))
     assert bool(jnp.all(ok[:, :4])) and not bool(jnp.any(ok[:, 4:]))
     np.testing.assert_array_equal(np.asarray(idx[:, :4]), np.asarray(pos))
-    # compiled, the same norm may fuse differently: compare with the compiled reference
-    gdef = nnx.graphdef(comp)
-    ref = jax.jit(lambda p, v: (lambda c: c.norm(c.wkv(v)))(nnx.merge(gdef, p)))(params, x)
-    np.testing.assert_array_equal(np.asarray(ent[:, :4]), np.asarray(ref))
+    # another compiled program may fuse the norm differently: equal to rounding
+    np.testing.assert_allclose(np.asarray(ent[:, :4]), want, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,157 @@
+"""Property tests of the core promises, in float64, for every tiny preset and its ablations:
+
+1. prefill + decode_step logits == the teacher-forced forward's logits, for every row and
+   step (ragged prompts, chunked prefill, bounded replay with R >= prompt, ring wrap-around,
+   many completed blocks, top-k below and above the visible count);
+2. the teacher-forced forward is causal: logits at positions <= t never depend on tokens
+   after t.
+
+Hypothesis draws the ablation (from each preset's knobs), the prompt lengths, the chunk size,
+the number of decode steps and the tokens. `make test` runs a quick, derandomized search whose
+configs come from a small menu per preset, so compiled programs are shared across examples.
+The broad search draws every knob and random seeds:
+
+    DSATTN_FUZZ_EXAMPLES=500 .venv/bin/python -m pytest -q -n 2 tests/test_properties.py
+
+Run it before closing any change to attention, caches or generate.
+"""
+
+import os
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsattn import generate
+from dsattn.model import Transformer
+from tests.conftest import forward, preset
+
+BROAD = int(os.environ.get("DSATTN_FUZZ_EXAMPLES", "0"))
+ROWS = 3
+MAX_LEN = 300  # cache capacity: no power of two, so pages and entry counts rarely divide it
+MAX_PROMPT = 220
+MAX_STEPS = 80
+TOL = 1e-9  # relative, float64 (logits are O(1), so also the absolute tolerance)
+
+# Each preset's ablation knobs: override key -> values. The first value of each is the one the
+# quick search keeps unless its menu (QUICK) says otherwise.
+KNOBS = {
+    "mha": {},
+    "gqa": {},
+    "mqa": {},
+    "mla": {"cache.page_size": [16, 7]},
+    "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7]},
+    "v4": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
+           "attention.csa_ratio": [4, 2, 3], "attention.hca_ratio": [16, 8, 5],
+           "cache.page_size": [16, 7, 3]},
+    "v41": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
+            "attention.pool_blocks": [3, 0, 1, 8], "attention.pool_block_size": [4, 2, 8],
+            "attention.sharing": [True, False], "attention.ced_split": [5, 0],
+            "attention.ratio": [0, 2, 3],  # 0: the preset's per-layer ratios (2 and 1)
+            "cache.page_size": [16, 7, 5]},
+}
+# The quick search's configs: a few ablations per preset, each compiled once and shared by
+# that preset's examples.
+QUICK = {
+    "mha": [{}], "gqa": [{}], "mqa": [{}], "mla": [{"cache.page_size": 7}],
+    "dsa": [{"attention.top_k": 5, "cache.page_size": 7}],
+    "v4": [{"attention.top_k": 3, "attention.window": 5, "attention.hca_ratio": 5,
+            "cache.page_size": 7}],
+    "v41": [{}, {"attention.top_k": 3, "attention.pool_blocks": 8,
+                 "attention.pool_block_size": 2, "cache.page_size": 7}],
+}
+PRESETS = list(KNOBS)
+
+
+@lru_cache(maxsize=None)
+def built(name: str, overrides: tuple[str, ...]):
+    """(model, its bound programs) per config, built once and shared by the examples."""
+    cfg = preset(name, "model.dtype=float64", *overrides)
+    model = Transformer(cfg, rngs=nnx.Rngs(7))
+    return model, generate.bind(model)
+
+
+def ablation(name: str, draw) -> tuple[str, ...]:
+    if BROAD:
+        chosen = {k: draw(st.sampled_from(v)) for k, v in KNOBS[name].items()}
+    else:
+        chosen = draw(st.sampled_from(QUICK[name]))
+    return tuple(f"{k}={str(v).lower()}" for k, v in sorted(chosen.items()))
+
+
+@st.composite
+def decode_case(draw, name):
+    overrides = ablation(name, draw)
+    lengths = draw(st.lists(st.integers(1, MAX_PROMPT), min_size=ROWS, max_size=ROWS))
+    steps = draw(st.integers(1, min(MAX_STEPS, MAX_LEN - max(lengths))))
+    # Powers of two <= 64 share one set of bucket widths (16, 32, 64); 1024 (the default)
+    # runs each prompt whole, in its own bucket.
+    chunk = draw(st.sampled_from([16, 32, 64, 1024] if BROAD else [16, 32, 64]))
+    ced = dict(o.split("=") for o in overrides).get("attention.ced_split",
+                                                     "5" if name == "v41" else "0")
+    replay = None
+    if ced != "0" and draw(st.booleans()):  # R >= every prompt: must equal exact prefill
+        replay = draw(st.sampled_from([MAX_LEN, max(lengths)])) if BROAD else MAX_LEN
+    seed = draw(st.integers(0, 2**16))
+    return overrides, lengths, steps, chunk, replay, seed
+
+
+def search(examples_quick: int):
+    return settings(max_examples=BROAD or examples_quick, derandomize=not BROAD,
+                    deadline=None, database=None, print_blob=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_prefill_and_decode_equal_forward(name):
+    @search(examples_quick=3)
+    @given(decode_case(name))
+    def check(case):
+        overrides, lengths, steps, chunk, replay, seed = case
+        model, bound = built(name, overrides)
+        tokens = np.random.default_rng(seed).integers(0, 256, (ROWS, MAX_LEN))
+        want = np.asarray(forward(model, tokens))
+        rows, lengths = np.arange(ROWS), np.asarray(lengths)
+        cache = generate.init_cache(model, ROWS, MAX_LEN)
+        logits, cache = generate.prefill(bound, tokens[:, : lengths.max()], lengths, cache,
+                                         replay=replay, chunk=chunk)
+        got = [np.asarray(logits)]
+        for s in range(steps):
+            logits, cache = generate.decode_step(bound, tokens[rows, lengths + s], cache)
+            got.append(np.asarray(logits))
+        for s, g in enumerate(got):
+            np.testing.assert_allclose(
+                g, want[rows, lengths - 1 + s], rtol=TOL, atol=TOL,
+                err_msg=f"{name} {overrides}: lengths {lengths.tolist()}, chunk {chunk}, "
+                        f"replay {replay}, step {s} (0 = prefill)")
+
+    check()
+
+
+@st.composite
+def causal_case(draw, name):
+    overrides = ablation(name, draw)
+    t = draw(st.integers(0, MAX_LEN - 2))
+    return overrides, t, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_forward_is_causal(name):
+    @search(examples_quick=4)
+    @given(causal_case(name))
+    def check(case):
+        overrides, t, seed = case
+        model, _ = built(name, overrides)
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, 256, (ROWS, MAX_LEN))
+        other = tokens.copy()
+        other[:, t + 1:] = rng.integers(0, 256, (ROWS, MAX_LEN - t - 1))
+        np.testing.assert_allclose(np.asarray(forward(model, other))[:, : t + 1],
+                                   np.asarray(forward(model, tokens))[:, : t + 1],
+                                   rtol=1e-12, atol=1e-12,
+                                   err_msg=f"{name} {overrides}: tokens after {t} changed")
+
+    check()
