@@ -83,20 +83,27 @@ def ablation(name: str, draw) -> tuple[str, ...]:
 
 
 @st.composite
-def decode_case(draw, name):
-    overrides = ablation(name, draw)
+def prompt_case(draw, replayable: bool):
+    """One batch: prompt lengths, decode steps, prefill chunk, replay R (or None), seed."""
     lengths = draw(st.lists(st.integers(1, MAX_PROMPT), min_size=ROWS, max_size=ROWS))
     steps = draw(st.integers(1, min(MAX_STEPS, MAX_LEN - max(lengths))))
     # Powers of two <= 64 share one set of bucket widths (16, 32, 64); 1024 (the default)
     # runs each prompt whole, in its own bucket.
     chunk = draw(st.sampled_from([16, 32, 64, 1024] if BROAD else [16, 32, 64]))
+    replay = None
+    if replayable and draw(st.booleans()):  # R >= every prompt: must equal exact prefill
+        replay = draw(st.sampled_from([MAX_LEN, max(lengths)])) if BROAD else MAX_LEN
+    return lengths, steps, chunk, replay, draw(st.integers(0, 2**16))
+
+
+@st.composite
+def decode_case(draw, name):
+    """A config and a few batches for it (the broad search amortizes its compiles)."""
+    overrides = ablation(name, draw)
     ced = dict(o.split("=") for o in overrides).get("attention.ced_split",
                                                      "5" if name == "v41" else "0")
-    replay = None
-    if ced != "0" and draw(st.booleans()):  # R >= every prompt: must equal exact prefill
-        replay = draw(st.sampled_from([MAX_LEN, max(lengths)])) if BROAD else MAX_LEN
-    seed = draw(st.integers(0, 2**16))
-    return overrides, lengths, steps, chunk, replay, seed
+    cases = st.lists(prompt_case(ced != "0"), min_size=1, max_size=3 if BROAD else 1)
+    return overrides, draw(cases)
 
 
 def search(examples_quick: int):
@@ -110,23 +117,24 @@ def test_prefill_and_decode_equal_forward(name):
     @search(examples_quick=3)
     @given(decode_case(name))
     def check(case):
-        overrides, lengths, steps, chunk, replay, seed = case
+        overrides, batches = case
         model, bound = built(name, overrides)
-        tokens = np.random.default_rng(seed).integers(0, 256, (ROWS, MAX_LEN))
-        want = np.asarray(forward(model, tokens))
-        rows, lengths = np.arange(ROWS), np.asarray(lengths)
-        cache = generate.init_cache(model, ROWS, MAX_LEN)
-        logits, cache = generate.prefill(bound, tokens[:, : lengths.max()], lengths, cache,
-                                         replay=replay, chunk=chunk)
-        got = [np.asarray(logits)]
-        for s in range(steps):
-            logits, cache = generate.decode_step(bound, tokens[rows, lengths + s], cache)
-            got.append(np.asarray(logits))
-        for s, g in enumerate(got):
-            np.testing.assert_allclose(
-                g, want[rows, lengths - 1 + s], rtol=TOL, atol=TOL,
-                err_msg=f"{name} {overrides}: lengths {lengths.tolist()}, chunk {chunk}, "
-                        f"replay {replay}, step {s} (0 = prefill)")
+        for lengths, steps, chunk, replay, seed in batches:
+            tokens = np.random.default_rng(seed).integers(0, 256, (ROWS, MAX_LEN))
+            want = np.asarray(forward(model, tokens))
+            rows, lengths = np.arange(ROWS), np.asarray(lengths)
+            cache = generate.init_cache(model, ROWS, MAX_LEN)
+            logits, cache = generate.prefill(bound, tokens[:, : lengths.max()], lengths,
+                                             cache, replay=replay, chunk=chunk)
+            got = [np.asarray(logits)]
+            for s in range(steps):
+                logits, cache = generate.decode_step(bound, tokens[rows, lengths + s], cache)
+                got.append(np.asarray(logits))
+            for s, g in enumerate(got):
+                np.testing.assert_allclose(
+                    g, want[rows, lengths - 1 + s], rtol=TOL, atol=TOL,
+                    err_msg=f"{name} {overrides}: lengths {lengths.tolist()}, chunk {chunk}, "
+                            f"replay {replay}, step {s} (0 = prefill)")
 
     check()
 
