@@ -4,10 +4,16 @@ Both prefill and decode extend the cache by some tokens per row: prefill by a pa
 (each row its own length), decode by one token per row. Rows are ragged: every row keeps
 its own next position in ``cache["pos"]``. Prompts are padded to power-of-two buckets so
 compiles stay bounded, and ``decode_step`` compiles once per (config, batch, max_len).
+
+A cache holds ``max_len`` positions per row. prefill and decode_step refuse, with
+``CacheExhausted`` and before anything runs, a call that would take a row past it, so the
+cache stays as it was; the compiled programs also refuse such rows themselves (see
+``check_cache``).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -17,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn.cache import paged
+from dsattn.errors import CacheExhausted
 from dsattn.model import Transformer, check_tokens
 
 MIN_BUCKET = 16
@@ -87,12 +94,18 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
     model = nnx.merge(graphdef, nnx.State(state))
     b, t = tokens.shape
     start = cache["pos"]
+    # A row that would pass max_len is refused whole: it writes nothing in any layer, keeps
+    # its position, gets NaN logits and is flagged for check_cache. prefill and decode_step
+    # refuse such calls on the host first; this keeps the compiled programs safe on their own.
+    fits = start + n_new <= cache_capacity(cache)
+    n_new = jnp.where(fits, n_new, 0)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     valid = jnp.arange(t)[None] < n_new[:, None]
     h, layers, evals = model.extend(tokens, positions, valid, cache["layers"], replay,
                                     replay_from)
-    return model.logits(h), {**cache, "pos": start + n_new, "layers": layers,
-                             "evaluations": cache["evaluations"] + evals}
+    logits = jnp.where(fits[:, None], model.logits(h), jnp.nan)
+    return logits, {**cache, "pos": start + n_new, "overflow": cache["overflow"] | ~fits,
+                    "layers": layers, "evaluations": cache["evaluations"] + evals}
 
 
 def _decode_impl(graphdef, state, tokens, cache):
@@ -100,6 +113,40 @@ def _decode_impl(graphdef, state, tokens, cache):
     # a sizeable share of a tiny model's step.
     tokens = tokens.astype(jnp.int32).reshape(-1, 1)
     return _extend_impl(graphdef, state, tokens, jnp.ones(tokens.shape[:1], jnp.int32), cache)
+
+
+# Each cache's row positions as last known on the host, keyed by its `pos` array (immutable,
+# so the copy stays exact): decode_step checks capacity without waiting for the device.
+# Syncing on `pos` instead costs ~30% of a tiny model's step in an asynchronous loop.
+_HOST_POS: dict[int, np.ndarray] = {}
+
+
+def _host_pos(cache):
+    """Row positions [B] on the host (None under an outer jit: the compiled check applies)."""
+    pos = cache["pos"]
+    if isinstance(pos, jax.core.Tracer):
+        return None
+    known = _HOST_POS.get(id(pos))
+    return np.asarray(jax.device_get(pos)) if known is None else known
+
+
+def _remember_pos(cache, host) -> None:
+    pos = cache["pos"]
+    if id(pos) not in _HOST_POS:
+        weakref.finalize(pos, _HOST_POS.pop, id(pos), None)  # forgotten with the array
+    _HOST_POS[id(pos)] = host
+
+
+def _check_room(start, n_new, max_len: int, who: str) -> None:
+    """Raise CacheExhausted, before anything runs, if a row would pass max_len."""
+    need = start + n_new
+    over = np.nonzero(need > max_len)[0]
+    if over.size:
+        r = int(over[0])
+        what = (f"row {r} reached max_len={max_len}" if start[r] >= max_len else
+                f"row {r} would need {int(need[r])} positions, max_len={max_len}")
+        raise CacheExhausted(f"{who}: {what}; nothing was written and the cache is unchanged "
+                             f"(size it with init_cache(..., max_len=...))")
 
 
 def decode_compilations() -> int:
@@ -133,12 +180,8 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
         check_tokens(tokens[row, : lengths[row]], model.cfg.model.vocab_size,
                      f"tokens (row {row})")
     max_len = cache_capacity(cache)
-    start = np.asarray(jax.device_get(cache["pos"]))
-    over = np.nonzero(start + lengths > max_len)[0]
-    if over.size:
-        r = int(over[0])
-        raise ValueError(f"prompt too long for the cache: row {r} would need "
-                         f"{int(start[r] + lengths[r])} positions, the cache holds {max_len}")
+    start = _host_pos(cache)
+    _check_room(start, lengths, max_len, "prefill: prompt too long for the cache")
     m = bind(model)
     # Decoder positions kept under replay: each row's last R (absolute positions).
     replay_from = None if replay is None else jnp.asarray(start + lengths - replay, jnp.int32)
@@ -155,6 +198,7 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
         logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None], out,
                                                       logits)
     check_cache(cache)
+    _remember_pos(cache, start + lengths)
     return logits, cache
 
 
@@ -179,7 +223,14 @@ def _check_replay(cfg, replay):
 
 
 def check_cache(cache) -> None:
-    """Raise paged.CacheExhausted if any layer's global page pool ran out (host sync)."""
+    """Raise CacheExhausted if a compiled step refused a row (it would have passed max_len)
+    or any layer's global page pool ran out (host sync)."""
+    over = np.nonzero(np.asarray(jax.device_get(cache["overflow"])))[0]
+    if over.size:
+        raise CacheExhausted(
+            f"row {int(over[0])} reached max_len={cache_capacity(cache)}: a step past it was "
+            f"refused for that row (nothing written, NaN logits); size the cache with "
+            f"init_cache(..., max_len=...)")
     for layer in cache["layers"]:
         if "global" in layer:
             paged.check(layer["global"])
@@ -189,13 +240,22 @@ def decode_step(model: Transformer | Bound, next_tokens, cache):
     """Append one token per row; return next-token logits [B, V] and the updated cache.
 
     Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
-    step stays free of host round trips.
+    step stays free of host round trips. A row whose cache is full (max_len positions)
+    raises CacheExhausted before anything runs: the cache is then unchanged and still
+    valid. The check reads positions the host already knows (from prefill and earlier
+    steps; a cache it has not seen is read once).
     """
     if not isinstance(next_tokens, jax.Array):
         check_tokens(next_tokens, model.cfg.model.vocab_size, "next_tokens")
         next_tokens = np.asarray(next_tokens, np.int32).reshape(-1)
+    pos = _host_pos(cache)
+    if pos is not None:
+        _check_room(pos, 1, cache_capacity(cache), "decode_step")
     m = bind(model)
-    return m.decode_fn(m.state, next_tokens, cache)
+    logits, cache = m.decode_fn(m.state, next_tokens, cache)
+    if pos is not None:
+        _remember_pos(cache, pos + 1)
+    return logits, cache
 
 
 # ------------------------------------------------------------------------------ sampling

@@ -94,10 +94,12 @@ class Transformer(nnx.Module):
         """Empty cache pytree: next position per row and one cache per layer.
 
         `capacity` is a zero-byte array whose shape records max_len, so the cache stays a
-        plain pytree yet knows its size statically.
+        plain pytree yet knows its size statically. `overflow` (sticky, per row) marks a row
+        a compiled step refused because it would pass max_len (see generate.check_cache).
         """
         return {"pos": jnp.zeros((batch,), jnp.int32),
                 "capacity": jnp.zeros((max_len, 0), jnp.bool_),
+                "overflow": jnp.zeros((batch,), jnp.bool_),
                 "evaluations": jnp.zeros((), jnp.int32),  # (position, layer) pairs run
                 "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
 

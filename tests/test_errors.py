@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 from dsattn import config, data, generate
+from dsattn.errors import CacheExhausted
 from tests.conftest import preset, tiny_model
 
 
 def test_prompt_longer_than_cache():
     model = tiny_model("mha", "model.n_layers=1")
     cache = generate.init_cache(model, 2, 16)
-    with pytest.raises(ValueError, match="row 1 would need 20 positions, the cache holds 16"):
+    with pytest.raises(CacheExhausted, match="row 1 would need 20 positions, max_len=16"):
         generate.prefill(model, np.ones((2, 20), int), [3, 20], cache)
     # the cache is untouched and still usable
     assert np.asarray(cache["pos"]).tolist() == [0, 0]

@@ -3,6 +3,10 @@
 Used by the baseline families (MHA/GQA/MQA, MLA) whose cache grows with every token. Writes
 scatter each row's new positions into its own slots; padded positions are dropped, so a
 ragged batch never writes garbage where a later token will look.
+
+Capacity is max_len slots, the model's own capacity: a position >= max_len would be dropped
+too, but never arrives, since generate refuses (and flags) a row that would pass max_len
+before any layer sees it (see generate.check_cache).
 """
 
 import jax.numpy as jnp

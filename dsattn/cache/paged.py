@@ -255,5 +255,7 @@ def check(cache: dict) -> None:
     raise CacheExhausted(
         f"global cache pool exhausted: {n_pages} pages of {page_size} entries "
         f"({n_pages * page_size} entries) shared by {batch} rows, at most {max_entries} "
-        f"entries per row (an append could not get a page or passed the per-row limit and "
-        f"was dropped); raise cache pool size or lower batch/max_len")
+        f"entries per row; an append that could not get a page or would pass its row's "
+        f"limit was dropped (that row keeps its earlier entries). init_cache(..., "
+        f"max_len=...) sizes both so that every row can reach max_len: use a larger max_len "
+        f"(or a larger n_pages for a pool made with paged.empty)")
