@@ -13,6 +13,7 @@ compressed layer's ratio at once, so a ratio ablation is one override.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -372,6 +373,8 @@ def _resolve(cfg: Config) -> Config:
     default = {"hca": a.hca_ratio, "csa": a.csa_ratio}
     for k in ("full", "reindex", "reuse"):
         default[k] = a.csa2_ratio
+    if a.ratio < 0:
+        raise ConfigError(f"attention.ratio: must be >= 0 (0: per-kind ratios), got {a.ratio}")
     if a.ratios:
         ratios = list(a.ratios)
         if len(ratios) == 1:
@@ -398,6 +401,23 @@ def _positive(value, key):
         raise ConfigError(f"{key}: must be >= 1, got {value}")
 
 
+# Float checks are written so that NaN fails them too.
+def _above_zero(value, key):
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{key}: must be a finite number > 0, got {value}")
+
+
+def _at_least_zero(value, key):
+    if not 0 <= value < math.inf:
+        raise ConfigError(f"{key}: must be a finite number >= 0, got {value}")
+
+
+def _unit(value, key, closed: bool):
+    """value in [0, 1] (closed) or [0, 1)."""
+    if not (0 <= value <= 1 if closed else 0 <= value < 1):
+        raise ConfigError(f"{key}: must be in [0, 1{']' if closed else ')'}, got {value}")
+
+
 def _choice(value, allowed, key):
     if value not in allowed:
         raise ConfigError(f"{key}: {value!r} is not one of: {', '.join(allowed)}")
@@ -407,11 +427,16 @@ def validate(cfg: Config) -> None:
     m, a, ix, c, t, d = cfg.model, cfg.attention, cfg.indexer, cfg.cache, cfg.train, cfg.data
     for key in ("vocab_size", "d_model", "n_layers", "ffn_hidden", "max_seq_len"):
         _positive(getattr(m, key), f"model.{key}")
+    _above_zero(m.norm_eps, "model.norm_eps")
+    _above_zero(m.init_std, "model.init_std")
     _choice(m.dtype, DTYPES, "model.dtype")
     kinds = set(a.layers)
 
     _positive(a.n_heads, "attention.n_heads")
     _positive(a.head_dim, "attention.head_dim")
+    if a.n_kv_heads < 0:
+        raise ConfigError(f"attention.n_kv_heads: must be >= 0 (0: n_heads), got {a.n_kv_heads}")
+    _above_zero(a.rope_theta, "attention.rope_theta")
     if "mha" in kinds:
         kv = a.n_kv_heads or a.n_heads
         if a.n_heads % kv:
@@ -441,6 +466,7 @@ def validate(cfg: Config) -> None:
                 f"attention.rope_dim: must be even and in (0, head_dim={a.head_dim}], "
                 f"got {a.rope_dim}"
             )
+        _above_zero(a.compress_rope_theta, "attention.compress_rope_theta")
     if a.ced_split < 0 or a.ced_split >= m.n_layers:
         raise ConfigError(
             f"attention.ced_split: must be 0 (off) or a layer index in 1..{m.n_layers - 1}, "
@@ -465,6 +491,7 @@ def validate(cfg: Config) -> None:
     _choice(ix.topk, INDEXER_TOPK, "indexer.topk")
     if ix.dense_warmup_steps < 0:
         raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
+    _at_least_zero(ix.loss_weight, "indexer.loss_weight")
 
     for role in ("local_format", "main_format", "key_format"):
         _choice(getattr(c, role), CACHE_FORMATS, f"cache.{role}")
@@ -472,16 +499,53 @@ def validate(cfg: Config) -> None:
     from dsattn.cache import formats as _formats  # local import: formats imports config
 
     _formats.validate_roles(cfg)
+    _check_kernels(cfg)
 
     for key in ("batch_size", "seq_len", "steps", "eval_every", "eval_batches", "ckpt_every",
                 "keep_checkpoints", "log_every"):
         _positive(getattr(t, key), f"train.{key}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if t.seq_len > m.max_seq_len:  # the model's position limit (a huge one would only OOM)
+        raise ConfigError(f"train.seq_len: {t.seq_len} exceeds model.max_seq_len="
+                          f"{m.max_seq_len}")
+    for key in ("warmup_steps", "seed"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
+    _above_zero(t.lr, "train.lr")
+    # optax clips to this global norm: <= 0 zeroes or flips every update (no "off" value)
+    _above_zero(t.grad_clip, "train.grad_clip")
+    _at_least_zero(t.weight_decay, "train.weight_decay")
+    _unit(t.min_lr_ratio, "train.min_lr_ratio", closed=True)
+    _unit(t.b1, "train.b1", closed=False)
+    _unit(t.b2, "train.b2", closed=False)
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.max_bytes < 0:
         raise ConfigError(f"data.max_bytes: must be >= 0, got {d.max_bytes}")
+
+
+def _check_kernels(cfg: Config) -> None:
+    """What an explicitly chosen indexer kernel needs (dsattn/kernels), named by config key:
+    the pool's block maxima tile pages exactly, Triton tiles are powers of two and it loads
+    native/bf16 keys whole. (`auto` picks a kernel only on GPU/TPU, the XLA pass takes any.)"""
+    a, ix, c = cfg.attention, cfg.indexer, cfg.cache
+    if ix.impl not in ("pallas_tpu", "pallas_gpu"):
+        return
+    pow2 = lambda n: n > 0 and not n & (n - 1)
+    if a.pool_blocks and "full" in a.layers:
+        if c.page_size % a.pool_block_size:
+            raise ConfigError(
+                f"attention.pool_block_size: {a.pool_block_size} must divide cache.page_size="
+                f"{c.page_size} for indexer.impl={ix.impl}")
+        if ix.impl == "pallas_gpu" and not pow2(a.pool_block_size):
+            raise ConfigError(
+                f"attention.pool_block_size: {a.pool_block_size} must be a power of two for "
+                f"indexer.impl=pallas_gpu")
+    indexed = set(a.layers) & set(INDEXED_KINDS)
+    if (indexed and ix.impl == "pallas_gpu" and c.key_format in ("native", "bf16")
+            and (ix.head_dim < 16 or not pow2(ix.head_dim))):
+        raise ConfigError(
+            f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
+            f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
 
 
 def _check_sharing(cfg: Config) -> None:

@@ -2,13 +2,16 @@
 configs refuse values that would train or run wrongly, sampling refuses bad parameters and
 gives every row its own random stream."""
 
+import glob
+import os
+
 import jax
 import numpy as np
 import pytest
 
-from dsattn import generate
+from dsattn import config, generate
 from dsattn.errors import CacheExhausted
-from tests.conftest import forward, tiny_model
+from tests.conftest import ROOT, forward, preset, tiny_model
 
 MAX_LEN = 16
 
@@ -103,3 +106,60 @@ def test_exhausted_page_pool_message_speaks_of_max_len():
     with pytest.raises(CacheExhausted, match=r"init_cache\(\.\.\., max_len=\.\.\.\)") as e:
         generate.prefill(model, np.ones((2, 4), int), [4, 4], cache)
     assert "pool size" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("override, needle", [
+    # would train uphill (a negative clip flips the update) or not at all (0 zeroes it)
+    ("train.grad_clip=-1", "train.grad_clip: must be a finite number > 0, got -1"),
+    ("train.grad_clip=0", "train.grad_clip: must be a finite number > 0"),
+    ("train.lr=0", "train.lr: must be a finite number > 0"),
+    ("train.lr=.nan", "train.lr: must be a finite number > 0, got nan"),
+    ("train.warmup_steps=-5", "train.warmup_steps: must be >= 0, got -5"),
+    ("train.weight_decay=-0.1", "train.weight_decay: must be a finite number >= 0"),
+    ("train.min_lr_ratio=1.5", r"train.min_lr_ratio: must be in \[0, 1\]"),
+    ("train.b1=1.5", r"train.b1: must be in \[0, 1\)"),
+    ("train.b2=-0.1", r"train.b2: must be in \[0, 1\)"),
+    ("train.seed=-1", "train.seed: must be >= 0"),
+    ("train.steps=0", "train.steps: must be >= 1"),
+    ("train.batch_size=0", "train.batch_size: must be >= 1"),
+    ("train.eval_every=0", "train.eval_every: must be >= 1"),
+    ("train.ckpt_every=-1", "train.ckpt_every: must be >= 1"),
+    # the training batch would be [batch, 100000] activations: refused, not allocated
+    ("train.seq_len=100000", "train.seq_len: 100000 exceeds model.max_seq_len=512"),
+    ("model.norm_eps=-1e-6", "model.norm_eps: must be a finite number > 0"),
+    ("model.init_std=-0.02", "model.init_std: must be a finite number > 0"),
+    ("attention.rope_theta=0", "attention.rope_theta: must be a finite number > 0"),
+    ("attention.n_kv_heads=-1", "attention.n_kv_heads: must be >= 0"),
+    ("indexer.loss_weight=-1", "indexer.loss_weight: must be a finite number >= 0"),
+])
+def test_config_values_are_validated_at_load(override, needle):
+    with pytest.raises(config.ConfigError, match=needle):
+        preset("mha", override)
+
+
+@pytest.mark.parametrize("name, overrides, needle", [
+    ("v4", ["attention.ratio=-4"], "attention.ratio: must be >= 0"),
+    ("v4", ["attention.window=0"], "attention.window: must be >= 1"),
+    ("v4", ["attention.top_k=0"], "attention.top_k: must be >= 1"),
+    ("v4", ["attention.compress_rope_theta=-1"], "attention.compress_rope_theta: must be a "),
+    # the kernels' block maxima tile pages exactly (and Triton tiles are powers of two)
+    ("v41", ["indexer.impl=pallas_tpu", "attention.pool_block_size=3"],
+     "attention.pool_block_size: 3 must divide cache.page_size=16 for indexer.impl=pallas_tpu"),
+    ("v41", ["indexer.impl=pallas_gpu", "attention.pool_block_size=12", "cache.page_size=24"],
+     "attention.pool_block_size: 12 must be a power of two for indexer.impl=pallas_gpu"),
+    ("v41", ["indexer.impl=pallas_gpu", "indexer.head_dim=24"],
+     "indexer.head_dim: 24 must be a power of two >= 16 for indexer.impl=pallas_gpu"),
+])
+def test_config_values_the_model_cannot_use_name_the_key(name, overrides, needle):
+    with pytest.raises(config.ConfigError, match=needle):
+        preset(name, *overrides)
+
+
+def test_valid_limits_still_load():
+    # the XLA score pass takes any block size (only the kernels need it to tile pages)
+    assert preset("v41", "attention.pool_block_size=3", "cache.page_size=7").attention
+    assert preset("v41", "indexer.impl=pallas_tpu", "attention.pool_block_size=8")
+    assert preset("mha", "train.seq_len=512", "train.warmup_steps=0", "train.weight_decay=0")
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml"))):
+        config.load(path)  # every shipped preset
