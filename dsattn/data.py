@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsattn import recall
 from dsattn.config import DataConfig
 
 TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
@@ -230,6 +231,8 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
 # ----------------------------------------------------------------------------- public API
 def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
     """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
+    if recall.is_recall(data_cfg.source):  # synthetic long-range task (dsattn/recall.py)
+        return recall.load_corpus(data_cfg, vocab_size)
     if data_cfg.source == "stdlib":
         train, val, desc = _stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes)
         what = "stdlib corpus"

@@ -1,0 +1,468 @@
+"""Ablation sweeps: train one config per (row, seed), measure each run, tabulate and plot.
+
+A sweep file (YAML) names a base preset, shared overrides, rows of overrides (a list of named
+rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
+
+    name: ratios
+    base: configs/tiny/v4.yaml
+    full_size: configs/deepseek/v4_flash.yaml   # kvbytes also at full size (optional)
+    overrides: [train.steps=200, data.source=recall:corpus=stdlib]
+    rows: [{name: base, overrides: []}, {name: w32, overrides: [attention.window=32]}]
+    grid: {attention.csa_ratio: [2, 4], attention.hca_ratio: [8, 16]}   # rows by product
+    seeds: [0, 1]
+    recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
+    decode_context: 4096                         # 0: no decode timing
+
+Every file is validated whole before any training: unknown keys, duplicate row names and
+overrides that fail config validation raise ConfigError naming the row and key. Runs live in
+``OUT/runs/<row>/seed<k>/`` (OUT defaults to runs/ablations/<name>); within a seed every row
+sees the same batches (batches are a function of (train.seed, step) and recall streams have
+their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
+its checkpoint. results.json / results.csv are rewritten after every run, plots at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from dsattn import config as config_lib
+from dsattn import kvbytes, recall
+from dsattn.errors import ConfigError, DsattnError
+
+SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
+              "decode_context", "out")
+RECALL_KEYS = ("distances", "per_distance", "seq_len")
+CONTEXTS = {"8k": 8192, "128k": 131072}
+# Sections whose overrides keep a meaning at full size (model shape, training and data don't).
+FULL_SIZE_SECTIONS = ("attention", "indexer", "cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str
+    base: str
+    full_size: str | None
+    overrides: tuple[str, ...]
+    rows: tuple[Row, ...]
+    seeds: tuple[int, ...]
+    distances: tuple[int, ...]
+    per_distance: int
+    probe_len: int
+    decode_context: int
+    out: Path
+
+    def config(self, row: Row, seed: int):
+        return config_lib.load(self.base, [*self.overrides, *row.overrides,
+                                           f"train.seed={seed}"])
+
+
+# ----------------------------------------------------------------------------- loading
+def _override_list(value, where: str) -> tuple[str, ...]:
+    """Overrides as ["k=v", ...] or {k: v}; mapping values become YAML (JSON) text."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        return tuple(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                     for k, v in value.items())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: expected a list of key=value strings or a mapping")
+
+
+def _grid_rows(grid) -> list[Row]:
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise ConfigError("grid: expected a mapping of key -> non-empty list of values")
+    rows = []
+    for values in itertools.product(*grid.values()):
+        ovs = _override_list(dict(zip(grid, values)), "grid")
+        rows.append(Row(",".join(o.split(".", 1)[-1] for o in ovs), ovs))
+    return rows
+
+
+def load(path, overrides=(), out=None) -> Sweep:
+    """Read and validate a sweep file; `overrides` are appended to its shared overrides."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"sweep file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    try:
+        return from_dict(raw, overrides, out, default_name=path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
+    for k in raw:
+        if k not in SWEEP_KEYS:
+            raise ConfigError(f"{k}: unknown sweep key; valid keys: {', '.join(SWEEP_KEYS)}")
+    if "base" not in raw:
+        raise ConfigError("base: missing (the preset every row starts from)")
+    rows = []
+    for i, r in enumerate(raw.get("rows") or []):
+        if not isinstance(r, dict) or set(r) - {"name", "overrides"} or "name" not in r:
+            raise ConfigError(f"rows[{i}]: expected {{name: ..., overrides: [...]}}")
+        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}")))
+    if "grid" in raw:
+        rows += _grid_rows(raw["grid"])
+    if not rows:
+        raise ConfigError("rows/grid: the sweep has no rows")
+    seen = set()
+    for r in rows:
+        if r.name in seen:
+            raise ConfigError(f"row {r.name!r}: duplicate row name")
+        if not re.fullmatch(r"[\w.,=+-]+", r.name):
+            raise ConfigError(f"row {r.name!r}: names may use letters, digits and _ . , = + -")
+        seen.add(r.name)
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(
+            isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: expected a list of distinct integers >= 0, got {seeds!r}")
+    rc = raw.get("recall") or {}
+    if not isinstance(rc, dict) or set(rc) - set(RECALL_KEYS):
+        bad = sorted(set(rc) - set(RECALL_KEYS)) if isinstance(rc, dict) else ["?"]
+        raise ConfigError(f"recall.{bad[0]}: unknown key; valid: {', '.join(RECALL_KEYS)}")
+    shared = _override_list(raw.get("overrides"), "overrides") + tuple(overrides)
+    decode = raw.get("decode_context", 4096)
+    if not isinstance(decode, int) or decode < 0:
+        raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
+    name = str(raw.get("name", default_name))
+    sweep = Sweep(name=name, base=str(raw["base"]), full_size=raw.get("full_size"),
+                  overrides=shared, rows=tuple(rows), seeds=tuple(seeds),
+                  distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
+                  probe_len=rc.get("seq_len", 0), decode_context=decode,
+                  out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
+    return _validate(sweep)
+
+
+def _validate(sweep: Sweep) -> Sweep:
+    """Build every row's config (and its full-size twin) now, so no error waits for a run."""
+    cfgs = []
+    for row in sweep.rows:
+        try:
+            cfg = sweep.config(row, sweep.seeds[0])
+            if recall.is_recall(cfg.data.source):
+                recall.parse_source(cfg.data.source)
+        except ConfigError as e:
+            raise ConfigError(f"row {row.name!r}: {e}") from None
+        cfgs.append(cfg)
+    for key in ("base", "full_size"):
+        if getattr(sweep, key) and not Path(getattr(sweep, key)).exists():
+            raise ConfigError(f"{key}: {getattr(sweep, key)!r} does not exist")
+    probe_len = sweep.probe_len or cfgs[0].train.seq_len
+    dists = sweep.distances or tuple(d for d in (8, 16, 32, 64, 96, 128, 192, 256)
+                                     if d <= probe_len - recall.PAIR_LEN)
+    for d in dists:
+        if not isinstance(d, int) or not recall.PAIR_LEN <= d <= probe_len - recall.PAIR_LEN:
+            raise ConfigError(f"recall.distances: {d!r} must be an integer in "
+                              f"[{recall.PAIR_LEN}, {probe_len - recall.PAIR_LEN}]")
+    return dataclasses.replace(sweep, distances=tuple(dists), probe_len=probe_len)
+
+
+def full_size_config(sweep: Sweep, row: Row):
+    """The full-size preset with the row's attention/indexer/cache overrides that validate
+    there (each tried on its own); returns (config, applied, skipped) or Nones."""
+    if not sweep.full_size:
+        return None, [], []
+    applied, skipped = [], []
+    for ov in (*sweep.overrides, *row.overrides):
+        if ov.split(".", 1)[0] not in FULL_SIZE_SECTIONS:
+            continue
+        try:
+            config_lib.load(sweep.full_size, [*applied, ov])
+            applied.append(ov)
+        except ConfigError:
+            skipped.append(ov)
+    return config_lib.load(sweep.full_size, applied), applied, skipped
+
+
+# ----------------------------------------------------------------------------- measures
+def kv_figures(cfg) -> dict:
+    out = {"storage_bytes_per_token": kvbytes.storage_per_token(cfg),
+           "local_bytes": float(kvbytes.local_bytes(cfg))}
+    for tag, ctx in CONTEXTS.items():
+        out[f"read_bytes_{tag}"] = float(kvbytes.report(cfg, ctx)["read_bytes"])
+    return out
+
+
+def _curve(run_dir: Path) -> list[list[float]]:
+    """Held-out loss along training, from metrics.jsonl (the last record per step wins)."""
+    points = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if "val_loss" in rec:
+                points[rec["step"]] = rec["val_loss"]
+    return [[s, points[s]] for s in sorted(points)]
+
+
+def _last_tokens_per_s(run_dir: Path):
+    path = run_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()[-1:]] if path.exists() else []
+    return recs[-1].get("tokens_per_s") if recs else None
+
+
+def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False) -> dict:
+    """Train (or resume) one run and measure it."""
+    import jax
+
+    from dsattn import bench
+    from dsattn.train import Trainer
+
+    cfg = sweep.config(row, seed)
+    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    target, tokens_per_step = cfg.train.steps, cfg.train.batch_size * cfg.train.seq_len
+    val_loss, tok_s = None, None
+    if trainer.step < target:
+        trainer.run(trainer.step + 1)  # the first step compiles: keep it out of the timing
+        t0, s0 = time.perf_counter(), trainer.step
+        val_loss = trainer.run()["val_loss"]
+        if trainer.step > s0:
+            tok_s = (trainer.step - s0) * tokens_per_step / (time.perf_counter() - t0)
+    if val_loss is None or not math.isfinite(val_loss):
+        val_loss = trainer.validation_loss()
+    model = trainer.model()
+    acc = recall.accuracy(model, probes)
+    decode_ms = None
+    if sweep.decode_context:
+        decode_ms = bench.time_decode(model, sweep.decode_context, batch=1, steps=5,
+                                      warmup=1)["step_ms"]
+    full, applied, skipped = full_size_config(sweep, row)
+    return {
+        "row": row.name, "seed": seed, "overrides": list(row.overrides),
+        "steps": trainer.step, "val_loss": val_loss, "curve": _curve(run_dir),
+        "params": int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))),
+        "train_tokens_per_s": tok_s or _last_tokens_per_s(run_dir),
+        "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
+        "recall": {str(d): a for d, a in acc.items()},
+        "kv": kv_figures(cfg),
+        "kv_full": kv_figures(full) if full is not None else None,
+        "full_overrides_applied": applied, "full_overrides_skipped": skipped,
+    }
+
+
+# ----------------------------------------------------------------------------- the sweep
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
+
+
+def flat(result: dict) -> dict:
+    """One CSV row: scalars, recall accuracy per distance, kv figures (full_* at full size)."""
+    out = {k: result.get(k) for k in ("row", "seed", "steps", "val_loss", "params",
+                                      "train_tokens_per_s", "decode_context", "decode_ms")}
+    out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
+    out.update(result.get("kv") or {})
+    out.update({f"full_{k}": v for k, v in (result.get("kv_full") or {}).items()})
+    out["overrides"] = " ".join(result.get("overrides", []))
+    if "error" in result:
+        out["error"] = result["error"]
+    return out
+
+
+def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
+    _write_json(out / "results.json", {"sweep": sweep_name, "runs": results})
+    rows = [flat(r) for r in results]
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out / "results.csv")
+
+
+def run(sweep, overrides=(), out=None, quiet: bool = False) -> list[dict]:
+    """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results."""
+    if not isinstance(sweep, Sweep):
+        sweep = load(sweep, overrides, out)
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
+    (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
+    probes = _probes(sweep, cfg0)
+    results = []
+    jobs = [(row, seed) for row in sweep.rows for seed in sweep.seeds]
+    bar = tqdm(jobs, desc=f"sweep {sweep.name}", unit="run", disable=quiet, position=0)
+    for row, seed in bar:
+        bar.set_postfix_str(f"{row.name} seed {seed}")
+        run_dir = sweep.out / "runs" / row.name / f"seed{seed}"
+        done = run_dir / "result.json"
+        if done.exists():
+            result = json.loads(done.read_text())
+        else:
+            try:
+                result = run_one(sweep, row, seed, run_dir, probes, quiet=quiet)
+                _write_json(done, result)
+            except DsattnError as e:  # e.g. a NaN loss: recorded, retried on the next rerun
+                result = {"row": row.name, "seed": seed, "error": str(e)}
+        results.append(result)
+        write_results(sweep.out, sweep.name, results)
+    plots(sweep.out, results)
+    return results
+
+
+def _probes(sweep: Sweep, cfg) -> recall.Probes:
+    """Recall probes shared by every run: contexts from the recall validation stream when the
+    sweep trains on one, else from a fresh noise stream."""
+    spec, background = recall.RecallSpec(), None
+    if recall.is_recall(cfg.data.source):
+        spec = recall.parse_source(cfg.data.source)
+        background = recall.streams(cfg.data.source, cfg.data.val_fraction,
+                                    cfg.data.max_bytes)[1]
+        if len(background) < sweep.probe_len:
+            background = None
+    return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
+                         background)
+
+
+# ----------------------------------------------------------------------------- reporting
+def _by_row(results):
+    rows = {}
+    for r in results:
+        if "error" not in r:
+            rows.setdefault(r["row"], []).append(r)
+    return rows
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both x and y (lower is better),
+    ordered by x."""
+    front = [i for i, (x, y) in enumerate(points)
+             if not any(x2 <= x and y2 <= y and (x2, y2) != (x, y) for x2, y2 in points)]
+    return sorted(front, key=lambda i: points[i])
+
+
+def plots(out, results: list[dict]) -> list[Path]:
+    """pareto.png, recall.png, curves.png: one colour per row, mean and min-max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out, rows = Path(out), _by_row(results)
+    if not rows:
+        return []
+    colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
+    col = {name: colours(i % colours.N) for i, name in enumerate(rows)}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    pts = []
+    for name, rs in rows.items():
+        x = rs[0]["kv"]["storage_bytes_per_token"]
+        ys = np.array([r["val_loss"] for r in rs])
+        pts.append((x, ys.mean()))
+        ax.errorbar(x, ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
+                    fmt="o", color=col[name], capsize=3, label=name)
+    front = pareto(pts)
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=1,
+            label="Pareto front")
+    ax.scatter([pts[i][0] for i in front], [pts[i][1] for i in front], s=160,
+               facecolors="none", edgecolors="k")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("held-out loss vs KV bytes per token (mean, bars: min-max over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "pareto.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, rs in rows.items():
+        ds = sorted(int(d) for d in rs[0]["recall"])
+        acc = np.array([[r["recall"][str(d)] for d in ds] for r in rs])
+        ax.plot(ds, acc.mean(0), "o-", color=col[name], label=name)
+        ax.fill_between(ds, acc.min(0), acc.max(0), color=col[name], alpha=0.2)
+    ax.axhline(recall.CHANCE, color="grey", ls=":", label="chance")
+    ax.set_xlabel("fact-to-query distance (bytes)")
+    ax.set_ylabel("recall accuracy on answer bytes (fraction)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("recall accuracy vs distance (mean, band: min-max over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "recall.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, rs in rows.items():
+        steps = sorted(set.intersection(*[{s for s, _ in r["curve"]} for r in rs]))
+        if not steps:
+            continue
+        ys = np.array([[dict(map(tuple, r["curve"]))[s] for s in steps] for r in rs])
+        ax.plot(steps, ys.mean(0), "-", color=col[name], label=name)
+        ax.fill_between(steps, ys.min(0), ys.max(0), color=col[name], alpha=0.2)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("held-out loss during training (mean, band: min-max over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "curves.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def table(results: list[dict]) -> str:
+    """Per row: seeds, loss mean ± std, KV bytes/token (own, full size), reads at 128K full
+    size, mean recall accuracy, params, tokens/s, decode ms."""
+    head = (f"{'row':<28} {'n':>2} {'loss':>14} {'B/tok':>9} {'full B/tok':>10} "
+            f"{'full rd 128K':>12} {'recall':>6} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
+    lines = [head, "-" * len(head)]
+    for name, rs in _by_row(results).items():
+        loss = np.array([r["val_loss"] for r in rs])
+        full = rs[0].get("kv_full") or {}
+        acc = np.mean([np.mean(list(r["recall"].values())) for r in rs])
+        tok = [r["train_tokens_per_s"] for r in rs if r.get("train_tokens_per_s")]
+        dec = [r["decode_ms"] for r in rs if r.get("decode_ms")]
+        lines.append(
+            f"{name:<28} {len(rs):>2} {loss.mean():>7.4f}±{loss.std():<6.4f} "
+            f"{rs[0]['kv']['storage_bytes_per_token']:>9.1f} "
+            f"{full.get('storage_bytes_per_token', float('nan')):>10.1f} "
+            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {acc:>6.3f} "
+            f"{rs[0]['params']:>8,} {np.mean(tok) if tok else float('nan'):>7.0f} "
+            f"{np.mean(dec) if dec else float('nan'):>6.2f}")
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['row']} seed {r['seed']}: FAILED: {r['error']}")
+    return "\n".join(lines)
+
+
+def report(sweep_dir) -> str:
+    """Redraw the plots from SWEEP_DIR/results.json (no training); return the table."""
+    path = Path(sweep_dir) / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{sweep_dir}: no results.json; is this a sweep directory?")
+    results = json.loads(path.read_text())["runs"]
+    plots(sweep_dir, results)
+    return table(results)

@@ -1,0 +1,265 @@
+"""The long-range task: key-value associative recall whose answers lie beyond the window.
+
+A byte stream carries *facts* ``FACT k1 k2 v1 v2`` and, ``d`` positions later, *queries*
+``QUERY k1 k2 v1 v2`` (keys: two letters, values: two digits). Predicting a query's value
+bytes needs the fact, ``d`` positions back: distance ``d`` = query start - fact start, drawn
+uniformly from [min_dist, max_dist]. Between pairs the stream is filler: noise bytes, or a
+text corpus (``corpus=stdlib``: a mixture of corpus and recall). Values are uniform and
+independent of everything else in the stream, so a model that cannot see back ``d``
+positions scores chance (0.1 per answer byte) and a lookup scores 1.0.
+
+``data.source`` selects it, parameters in the string (no config fields):
+``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``.
+Scoring uses probes: a validation window with one pair at an exact distance whose query ends
+the window; accuracy is over the probe's answer bytes (teacher-forced argmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from dsattn.errors import ConfigError
+
+FACT, QUERY = 1, 2  # control bytes: rare in text, so markers never collide with the corpus
+KEY_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+VALUE_ALPHABET = np.frombuffer(b"0123456789", np.uint8)
+NOISE_ALPHABET = np.frombuffer(b" .,-_:;~", np.uint8)
+KEY_LEN, VALUE_LEN = 2, 2
+PAIR_LEN = 1 + KEY_LEN + VALUE_LEN  # one fact or one query
+CHANCE = 1 / len(VALUE_ALPHABET)
+# Keys cycle through all 676 in fact order, so the same key recurs only >= 675 facts
+# (>= 675 * PAIR_LEN bytes) later: no second fact with a query's key can lie between them.
+MAX_DIST = (len(KEY_ALPHABET) ** KEY_LEN - 1) * PAIR_LEN
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallSpec:
+    min_dist: int = 32
+    max_dist: int = 96
+    density: float = 0.3  # fraction of stream bytes inside facts and queries
+    corpus: str = ""  # filler source ("stdlib", a file or glob); "" = noise bytes
+    length: int = 2_000_000  # training stream bytes (validation: val_fraction of it)
+    seed: int = 0  # the stream's own seed: every run of a sweep sees the same data
+
+
+def parse_source(source: str) -> RecallSpec:
+    """``recall[:key=value,...]`` -> RecallSpec; errors name data.source and the key."""
+    head, _, tail = source.partition(":")
+    if head != "recall":
+        raise ConfigError(f"data.source: {source!r} is not a recall source")
+    fields = {f.name: f.type for f in dataclasses.fields(RecallSpec)}
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in tail.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ConfigError(f"data.source: recall parameter {key!r} unknown; "
+                              f"valid: {', '.join(fields)}")
+        try:
+            kwargs[key] = {"int": int, "float": float, "str": str}[fields[key]](value)
+        except ValueError:
+            raise ConfigError(f"data.source: recall {key}={value!r} is not a {fields[key]}")
+    spec = RecallSpec(**kwargs)
+    if not PAIR_LEN <= spec.min_dist <= spec.max_dist <= MAX_DIST:
+        raise ConfigError(f"data.source: recall needs {PAIR_LEN} <= min_dist <= max_dist <= "
+                          f"{MAX_DIST}, got {spec.min_dist}..{spec.max_dist}")
+    if not 0 < spec.density < 1 or spec.length < 4 * spec.max_dist:
+        raise ConfigError("data.source: recall density must be in (0, 1) and length >= "
+                          f"4 * max_dist, got {spec.density}, {spec.length}")
+    return spec
+
+
+def is_recall(source: str) -> bool:
+    return source == "recall" or source.startswith("recall:")
+
+
+# ----------------------------------------------------------------------------- generation
+def make_stream(n: int, spec: RecallSpec, filler: np.ndarray | None, rng) -> tuple:
+    """A stream of n bytes with pairs placed at random; returns (tokens, fact starts,
+    query starts). Pairs never overlap one another; filler is cut from `filler` (cycled)
+    or drawn from NOISE_ALPHABET."""
+    if filler is None:
+        out = rng.choice(NOISE_ALPHABET, n).astype(np.int32)
+    else:
+        start = int(rng.integers(0, len(filler)))
+        out = np.resize(np.roll(np.asarray(filler, np.int32), -start), n)
+        out[(out == FACT) | (out == QUERY)] = ord(" ")  # only pairs carry markers
+    busy = np.zeros(n, bool)
+    facts, queries = [], []
+    gap = 2 * PAIR_LEN / spec.density  # mean spacing of fact starts for the target density
+    p = 0
+    while True:
+        p += 1 + int(rng.exponential(gap))
+        d = int(rng.integers(spec.min_dist, spec.max_dist + 1))
+        if p + d + PAIR_LEN > n:
+            if p + spec.min_dist + PAIR_LEN > n:
+                break
+            continue
+        if busy[p:p + PAIR_LEN].any() or busy[p + d:p + d + PAIR_LEN].any():
+            continue
+        busy[p:p + PAIR_LEN] = busy[p + d:p + d + PAIR_LEN] = True
+        facts.append(p)
+        queries.append(p + d)
+    facts, queries = np.array(facts, np.int64), np.array(queries, np.int64)
+    order = np.argsort(facts)
+    facts, queries = facts[order], queries[order]
+    perm = rng.permutation(len(KEY_ALPHABET) ** KEY_LEN)
+    keys = perm[np.arange(len(facts)) % len(perm)]
+    key_bytes = KEY_ALPHABET[np.stack([keys // len(KEY_ALPHABET), keys % len(KEY_ALPHABET)], 1)]
+    val_bytes = rng.choice(VALUE_ALPHABET, (len(facts), VALUE_LEN))
+    for starts, marker in ((facts, FACT), (queries, QUERY)):
+        out[starts] = marker
+        out[starts[:, None] + 1 + np.arange(KEY_LEN)] = key_bytes
+        out[starts[:, None] + 1 + KEY_LEN + np.arange(VALUE_LEN)] = val_bytes
+    return out, facts, queries
+
+
+@functools.lru_cache(maxsize=4)
+def streams(source: str, val_fraction: float, max_bytes: int):
+    """(train, val, description) for a recall source; cached: every Trainer of a sweep and
+    every probe set reads the same streams."""
+    spec = parse_source(source)
+    filler_train = filler_val = None
+    if spec.corpus:
+        from dsattn import data  # local: data imports this module for its source hook
+        from dsattn.config import DataConfig
+
+        corpus = data.load_corpus(DataConfig(source=spec.corpus, val_fraction=val_fraction,
+                                             max_bytes=max_bytes), 256)
+        filler_train, filler_val = corpus.train, corpus.val
+    n_val = max(round(spec.length * val_fraction), 4 * spec.max_dist)
+    rng = np.random.default_rng([spec.seed, 0])
+    train = make_stream(spec.length, spec, filler_train, rng)[0]
+    val = make_stream(n_val, spec, filler_val, np.random.default_rng([spec.seed, 1]))[0]
+    for a in (train, val):
+        a.flags.writeable = False
+    filler = f"{spec.corpus} filler" if spec.corpus else "noise filler"
+    desc = (f"recall: {len(train):,} + {len(val):,} bytes, distances {spec.min_dist}.."
+            f"{spec.max_dist}, density {spec.density}, {filler}")
+    return train, val, desc
+
+
+def load_corpus(data_cfg, vocab_size: int):
+    """The data.source hook: a recall source as a dsattn.data.Corpus."""
+    from dsattn.data import Corpus
+
+    if vocab_size < 256:
+        raise ConfigError(f"data.source: recall is byte-level and needs model.vocab_size >= "
+                          f"256, got {vocab_size}")
+    train, val, desc = streams(data_cfg.source, data_cfg.val_fraction, data_cfg.max_bytes)
+    return Corpus(train, val, vocab_size, desc)
+
+
+# ----------------------------------------------------------------------------- probes
+@dataclasses.dataclass
+class Probes:
+    tokens: np.ndarray  # [N, T] int32
+    answer_pos: np.ndarray  # [N, VALUE_LEN] positions of the probe's answer bytes
+    distance: np.ndarray  # [N] fact-to-query distance of each row
+
+
+def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None = None,
+           background: np.ndarray | None = None, seed: int = 0) -> Probes:
+    """Rows of `seq_len` bytes, each with one pair at exactly distance d whose query ends the
+    row. The rest of the row is a window of `background` (the validation stream, so the
+    context looks like training) or a fresh stream; the probe's key appears nowhere else."""
+    spec = spec or RecallSpec()
+    rng = np.random.default_rng([seed, 2])
+    if background is None:
+        background = make_stream(max(64 * seq_len, 4 * spec.max_dist), spec, None, rng)[0]
+    if len(background) < seq_len:
+        raise ValueError(f"probes: background of {len(background)} bytes < seq_len {seq_len}")
+    rows, answers, dists = [], [], []
+    q = seq_len - PAIR_LEN
+    for d in distances:
+        if not PAIR_LEN <= d <= q:
+            raise ValueError(f"probes: distance {d} does not fit rows of {seq_len} bytes")
+        for _ in range(n_per_distance):
+            s = int(rng.integers(0, len(background) - seq_len + 1))
+            row = np.array(background[s:s + seq_len], np.int32)
+            used = {bytes(row[i + 1:i + 1 + KEY_LEN].astype(np.uint8))
+                    for i in np.flatnonzero(row == FACT)}
+            while True:
+                key = rng.choice(KEY_ALPHABET, KEY_LEN)
+                if bytes(key) not in used:
+                    break
+            val = rng.choice(VALUE_ALPHABET, VALUE_LEN)
+            for start, marker in ((q - d, FACT), (q, QUERY)):
+                row[start] = marker
+                row[start + 1:start + 1 + KEY_LEN] = key
+                row[start + 1 + KEY_LEN:start + PAIR_LEN] = val
+            rows.append(row)
+            answers.append(q + 1 + KEY_LEN + np.arange(VALUE_LEN))
+            dists.append(d)
+    return Probes(np.stack(rows), np.stack(answers), np.array(dists))
+
+
+def score(pred: np.ndarray, p: Probes) -> dict[int, float]:
+    """Accuracy on the answer bytes per distance; pred[n, t] is the prediction of token t."""
+    hit = np.take_along_axis(pred, p.answer_pos, 1) == np.take_along_axis(
+        p.tokens, p.answer_pos, 1)
+    return {int(d): float(hit[p.distance == d].mean()) for d in np.unique(p.distance)}
+
+
+def oracle(tokens: np.ndarray, lookback: int | None = None, rng=None) -> np.ndarray:
+    """Predictions of an exact lookup: at each query's value bytes, the value of the latest
+    earlier fact with the same key within `lookback` positions (None: anywhere). Without one
+    it guesses a digit at random (what a model that cannot see the fact can do)."""
+    rng = rng or np.random.default_rng(0)
+    pred = np.zeros_like(tokens)
+    for n, row in enumerate(tokens):
+        facts = np.flatnonzero(row == FACT)
+        for qs in np.flatnonzero(row == QUERY):
+            if qs + PAIR_LEN > len(row):
+                continue
+            key = row[qs + 1:qs + 1 + KEY_LEN]
+            cands = [f for f in facts if f < qs and (lookback is None or qs - f <= lookback)
+                     and np.array_equal(row[f + 1:f + 1 + KEY_LEN], key)]
+            vals = slice(1 + KEY_LEN, PAIR_LEN)
+            pred[n, qs + 1 + KEY_LEN:qs + PAIR_LEN] = (
+                row[cands[-1]:cands[-1] + PAIR_LEN][vals] if cands
+                else rng.choice(VALUE_ALPHABET, VALUE_LEN))
+    return pred
+
+
+def model_predictions(model, tokens: np.ndarray, batch: int = 32) -> np.ndarray:
+    """Teacher-forced argmax of a dsattn Transformer, aligned so pred[:, t] predicts t."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    c = model.cfg  # the sections that define the network (train.seed etc. do not)
+    fwd = _argmax_forward((c.model, c.attention, c.indexer, c.cache), graphdef)
+    out, batch = np.zeros_like(tokens), min(batch, len(tokens))
+    for i in range(0, len(tokens), batch):
+        chunk = tokens[i:i + batch]
+        pad = batch - len(chunk)  # one shape: one compile
+        x = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)])
+        out[i:i + len(chunk), 1:] = np.asarray(fwd(state, jnp.asarray(x)))[:len(chunk), :-1]
+    return out
+
+
+def _argmax_forward(key, graphdef):
+    """One jitted forward per network config: a sweep's seeds share the compile (graphdefs
+    of equal configs have the same structure, so the first one serves them all)."""
+    if key not in _FORWARDS:
+        _FORWARDS[key] = _argmax_jit(graphdef)
+    return _FORWARDS[key]
+
+
+_FORWARDS: dict = {}
+
+
+def _argmax_jit(graphdef):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    return jax.jit(lambda s, x: jnp.argmax(nnx.merge(graphdef, s)(x), -1))
+
+
+def accuracy(model, p: Probes) -> dict[int, float]:
+    """The model's recall accuracy per distance on probes `p`."""
+    return score(model_predictions(model, p.tokens), p)

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Run an ablation sweep, or redraw a finished one's plots and table.
+
+    python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] [--out DIR] [--quiet]
+    python scripts/ablate.py --report SWEEP_DIR
+
+KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped sweep up).
+Rerunning resumes: finished runs are skipped, an interrupted one resumes from its checkpoint.
+The sweep directory (default runs/ablations/<name>) holds runs/<row>/seed<k>/,
+results.csv, results.json, pareto.png, recall.png and curves.png.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsattn import ablate  # noqa: E402
+from dsattn.errors import DsattnError  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep", nargs="?", help="sweep file, e.g. configs/ablations/ratios.yaml")
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE applied to every row")
+    ap.add_argument("--report", metavar="SWEEP_DIR", help="redraw plots and table, no training")
+    ap.add_argument("--out", help="sweep directory (default runs/ablations/<name>)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    if bool(args.report) == bool(args.sweep):
+        ap.error("give a sweep file or --report SWEEP_DIR")
+    if args.report:
+        print(ablate.report(args.report))
+        print(f"plots redrawn in {args.report}")
+        return None
+    sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
+    results = ablate.run(sweep, quiet=args.quiet)
+    print(ablate.table(results))
+    print(f"results and plots in {sweep.out}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (DsattnError, FileNotFoundError) as e:  # a user's mistake: one line, no traceback
+        sys.exit(f"ablate: error: {e}")

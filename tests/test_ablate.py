@@ -1,0 +1,140 @@
+"""Ablation sweeps: bad files fail before any training naming the row and key; a two-row,
+two-seed toy sweep writes results and plots, and a rerun after a killed run resumes that run
+and skips the finished ones."""
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+
+from dsattn import ablate
+from dsattn.errors import ConfigError
+from scripts import ablate as ablate_script
+from tests.conftest import ROOT
+
+MHA = os.path.join(ROOT, "configs", "tiny", "mha.yaml")
+V4 = os.path.join(ROOT, "configs", "tiny", "v4.yaml")
+V4_FLASH = os.path.join(ROOT, "configs", "deepseek", "v4_flash.yaml")
+TOY = [  # a one-layer MHA model: compiles in seconds
+    "model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64", "attention.head_dim=8",
+    "train.seq_len=48", "train.batch_size=2", "train.steps=4", "train.eval_every=2",
+    "train.ckpt_every=2", "train.log_every=1", "train.eval_batches=1", "train.warmup_steps=1",
+    "data.source=recall:min_dist=8,max_dist=32,length=8000"]
+
+
+def _write(tmp_path, **sweep):
+    sweep = {"name": "toy", "base": MHA, "overrides": TOY, "seeds": [0], **sweep}
+    sweep.setdefault("rows", [{"name": "mha", "overrides": []}])
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sedes": [0]}, r"sedes: unknown sweep key"),
+    ({"rows": [{"name": "a", "overrides": ["attention.n_kv_heads=3"]}]},
+     r"row 'a': attention.n_kv_heads: 3 must divide"),
+    ({"rows": [{"name": "b", "overrides": {"attention.windw": 8}}]},
+     r"row 'b': attention.windw: unknown key"),
+    ({"rows": [{"name": "c", "overrides": []}, {"name": "c", "overrides": ["train.lr=1"]}]},
+     r"row 'c': duplicate row name"),
+    ({"rows": [{"name": "d", "overrides": ["data.source=recall:max=9"]}]},
+     r"row 'd': data.source: recall parameter 'max' unknown"),
+    ({"recall": {"distances": [500]}}, r"recall.distances: 500"),
+    ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
+])
+def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
+    path = _write(tmp_path, out=str(tmp_path / "out"), **change)
+    with pytest.raises(ConfigError, match=message):
+        ablate.run(path, quiet=True)
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+def test_grid_rows_and_full_size_overrides(tmp_path):
+    path = _write(tmp_path, base=V4, full_size=V4_FLASH, overrides=["train.steps=5"],
+                  rows=[{"name": "w32", "overrides": ["attention.window=32",
+                                                      "model.d_model=64",
+                                                      "attention.layers=swa*6"]}],
+                  grid={"attention.csa_ratio": [2, 8], "attention.hca_ratio": [16, 64]})
+    sweep = ablate.load(path)
+    names = [r.name for r in sweep.rows]
+    assert names == ["w32", "csa_ratio=2,hca_ratio=16", "csa_ratio=2,hca_ratio=64",
+                     "csa_ratio=8,hca_ratio=16", "csa_ratio=8,hca_ratio=64"]
+    assert sweep.config(sweep.rows[4], 3).attention.ratios == (0, 0, 8, 64, 8, 64)
+    full, applied, skipped = ablate.full_size_config(sweep, sweep.rows[0])
+    # window has a meaning at full size; d_model is the tiny model's; six layers do not fit 43
+    assert applied == ["attention.window=32"] and skipped == ["attention.layers=swa*6"]
+    assert full.attention.window == 32 and full.model.d_model == 4096
+    full, _, _ = ablate.full_size_config(sweep, sweep.rows[3])
+    assert full.attention.ratios[2:4] == (8, 16)  # V4-Flash: csa at m=8, hca at m'=16
+
+
+def test_pareto_front():
+    pts = [(10, 3.0), (20, 2.0), (15, 3.5), (40, 1.0), (40, 1.5), (5, 4.0)]
+    assert ablate.pareto(pts) == [5, 0, 1, 3]
+
+
+def test_toy_sweep_runs_resumes_and_reports(tmp_path):
+    out = tmp_path / "sweep"
+    path = _write(tmp_path, rows=[{"name": "mha", "overrides": []},
+                                  {"name": "mqa", "overrides": {"attention.n_kv_heads": 1}}],
+                  seeds=[0, 1], full_size=V4_FLASH, recall={"distances": [8, 40],
+                                                            "per_distance": 2},
+                  decode_context=0)
+    results = ablate_script.main([str(path), "--out", str(out), "--quiet"])
+    assert [(r["row"], r["seed"]) for r in results] == [
+        ("mha", 0), ("mha", 1), ("mqa", 0), ("mqa", 1)]
+    saved = json.loads((out / "results.json").read_text())["runs"]
+    assert saved == json.loads(json.dumps(results))
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {"val_loss", "recall_d8", "recall_d40", "read_bytes_128k",
+                               "full_read_bytes_128k", "decode_ms", "params"} <= set(rows[0])
+    mha, mqa = results[0], results[2]
+    # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
+    assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
+    assert mqa["kv"]["storage_bytes_per_token"] == 2 * 1 * 8 * 4
+    assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25  # seed 000's V4-Flash
+    for r in results:
+        assert r["steps"] == 4 and [s for s, _ in r["curve"]] == [1, 2, 4]
+        assert 0 < r["val_loss"] < 6 and r["val_loss"] == r["curve"][-1][1]
+        assert r["params"] > 0 and r["train_tokens_per_s"] > 0 and r["decode_ms"] is None
+        assert set(r["recall"]) == {"8", "40"}
+    assert results[0]["val_loss"] != results[1]["val_loss"]  # seeds differ
+    for png in ("pareto.png", "recall.png", "curves.png"):
+        assert os.path.getsize(out / png) > 1000
+
+    # Kill the last run after its step-2 checkpoint: no result, no final checkpoint.
+    last = out / "runs" / "mqa" / "seed1"
+    (last / "result.json").unlink()
+    shutil.rmtree(last / "checkpoints" / "4")
+    finished = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/result.json")}
+    again = ablate.run(path, out=out, quiet=True)
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # skipped, not redone
+    assert again[:3] == json.loads(json.dumps(results[:3]))
+    resumed = [json.loads(x)["step"] for x in (last / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[-2:] == [3, 4]  # trained on from step 2, not from scratch
+    assert again[3]["steps"] == 4 and (last / "result.json").exists()
+
+    os.remove(out / "pareto.png")
+    text = ablate.report(out)
+    assert "mha" in text and "mqa" in text and (out / "pareto.png").exists()
+
+
+@pytest.mark.parametrize("name", ["ratios", "topk_window", "v41_parts", "formats"])
+def test_shipped_sweeps_validate(name):
+    sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", f"{name}.yaml"))
+    assert len(sweep.rows) >= 5 and sweep.full_size and sweep.decode_context == 4096
+    assert {sweep.config(r, 0).data.source for r in sweep.rows} == {
+        "recall:corpus=stdlib,min_dist=16,max_dist=112,density=0.2"}
+
+
+def test_unreadable_sweep_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("rows: [oops\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        ablate.load(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        ablate.load(tmp_path / "missing.yaml")

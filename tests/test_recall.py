@@ -1,0 +1,101 @@
+"""The recall task: distances are the ones requested, a lookup scores 1.0, a lookup limited
+to a window and a random guesser score chance beyond it, and the data.source hook serves it."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsattn import data, recall
+from dsattn.config import DataConfig
+from dsattn.errors import ConfigError
+from dsattn.model import Transformer
+from tests.conftest import preset
+
+SPEC = recall.RecallSpec(min_dist=10, max_dist=40, density=0.3, length=20_000)
+
+
+def _pairs(tokens):
+    """(start, key, value) of every fact and query, read back from the bytes alone."""
+    def at(marker):
+        return [(int(i), bytes(tokens[i + 1:i + 3].astype(np.uint8)),
+                 bytes(tokens[i + 3:i + 5].astype(np.uint8)))
+                for i in np.flatnonzero(tokens == marker)]
+    return at(recall.FACT), at(recall.QUERY)
+
+
+def test_stream_distances_keys_and_values():
+    tokens, facts, queries = recall.make_stream(20_000, SPEC, None, np.random.default_rng(0))
+    f, q = _pairs(tokens)
+    assert len(f) == len(q) == len(facts) > 300
+    d = queries - facts
+    assert d.min() >= 10 and d.max() <= 40 and {10, 40} <= set(d.tolist())
+    by_start = {s: (k, v) for s, k, v in f}
+    for fs, qs in zip(facts, queries):
+        key, val = by_start[fs]
+        assert (int(qs), key, val) in q
+        assert val.isdigit() and key.isalpha()
+        # no other fact with this key between the fact and its query: the answer is unique
+        assert not [s for s, k, _ in f if fs < s < qs and k == key]
+
+
+def test_parse_source():
+    assert recall.parse_source("recall") == recall.RecallSpec()
+    s = recall.parse_source("recall:min_dist=8,max_dist=64,density=0.2,corpus=stdlib")
+    assert (s.min_dist, s.max_dist, s.density, s.corpus) == (8, 64, 0.2, "stdlib")
+    with pytest.raises(ConfigError, match=r"data.source.*'mindist'"):
+        recall.parse_source("recall:mindist=8")
+    with pytest.raises(ConfigError, match="data.source.*min_dist <= max_dist"):
+        recall.parse_source("recall:min_dist=64,max_dist=8")
+    with pytest.raises(ConfigError, match="max_dist='x'"):
+        recall.parse_source("recall:max_dist=x")
+
+
+def test_probes_place_one_pair_at_each_distance():
+    p = recall.probes([6, 20, 57], 5, 64, SPEC)
+    assert p.tokens.shape == (15, 64) and sorted(set(p.distance.tolist())) == [6, 20, 57]
+    for row, d, ans in zip(p.tokens, p.distance, p.answer_pos):
+        q = 64 - recall.PAIR_LEN
+        assert row[q] == recall.QUERY and row[q - d] == recall.FACT
+        assert np.array_equal(row[q + 1:], row[q - d + 1:q - d + recall.PAIR_LEN])
+        assert list(ans) == [q + 3, q + 4]
+        keys = [bytes(row[i + 1:i + 3].astype(np.uint8)) for i in np.flatnonzero(row == 1)]
+        assert keys.count(bytes(row[q + 1:q + 3].astype(np.uint8))) == 1
+
+
+def test_oracle_one_window_and_random_chance():
+    window = 16
+    p = recall.probes([8, 16, 24, 48], 200, 64, SPEC)
+    assert recall.score(recall.oracle(p.tokens), p) == {8: 1.0, 16: 1.0, 24: 1.0, 48: 1.0}
+    # A model that sees only the last `window` positions (an SWA layer) cannot do better
+    # than chance beyond it: values carry no trace anywhere else.
+    swa = recall.score(recall.oracle(p.tokens, lookback=window), p)
+    assert swa[8] == swa[16] == 1.0
+    guess = recall.score(np.random.default_rng(1).choice(recall.VALUE_ALPHABET,
+                                                         p.tokens.shape), p)
+    for acc in (swa[24], swa[48], *guess.values()):  # 400 answer bytes: sd 0.015
+        assert abs(acc - recall.CHANCE) < 0.06
+
+
+def test_data_source_hook_and_mixture():
+    c = data.load_corpus(DataConfig(source="recall:min_dist=8,max_dist=32,length=8000"), 256)
+    assert len(c.train) == 8000 and len(c.val) == 400 and "recall" in c.description
+    b = data.batch_at(c.train, 0, 2, 32, 0)
+    assert b["inputs"].shape == (2, 32)
+    mix = data.load_corpus(DataConfig(source="recall:corpus=stdlib,length=50000"), 256)
+    text = data.decode(mix.train)
+    assert "def " in text and "import" in text  # the filler is the corpus
+    assert (mix.train == recall.FACT).sum() == (mix.train == recall.QUERY).sum() > 100
+    with pytest.raises(ConfigError, match="vocab_size"):
+        data.load_corpus(DataConfig(source="recall"), 128)
+
+
+def test_model_predictions_align_with_the_forward():
+    cfg = preset("mha", "model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64",
+                 "attention.head_dim=8", "model.dtype=float32")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    p = recall.probes([8, 24], 3, 32, SPEC)
+    pred = recall.model_predictions(model, p.tokens, batch=4)
+    logits = np.asarray(model(p.tokens[:2]))
+    assert np.array_equal(pred[:2, 1:], logits.argmax(-1)[:, :-1])
+    acc = recall.accuracy(model, p)
+    assert set(acc) == {8, 24} and all(0 <= a <= 1 for a in acc.values())
