@@ -1,0 +1,216 @@
+"""The scripts as a user runs them: subprocesses on one tiny trained run (a 1-layer MHA model,
+2 steps of 2 x 16 tokens), shared by the whole module to keep it quick."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsattn import checkpoint, cli, config, data, kvbytes
+from dsattn.errors import ConfigError
+from tests.conftest import forward
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64", "attention.n_heads=2",
+        "attention.n_kv_heads=2", "attention.head_dim=16", "train.batch_size=2",
+        "train.seq_len=16", "train.steps=2", "train.ckpt_every=1", "train.eval_batches=1",
+        "data.max_bytes=200000"]
+
+
+def script(name, *args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"),
+                           *map(str, args)], capture_output=True, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("scripts") / "tiny"
+    # The overrides follow the options: they are accepted anywhere on the command line.
+    p = script("train", "configs/tiny/mha.yaml", "--run-dir", run, "--quiet", *TINY)
+    assert p.returncode == 0, p.stderr.decode()
+    assert config.load(run / "config.yaml").model.n_layers == 1
+    return run
+
+
+# ----------------------------------------------------------------- 1. errors and arguments
+USER_ERRORS = [  # (script and arguments, exit status, text the one line must hold)
+    (["train", "configs/tiny/mha.yaml", "attention.n_heads=3"], 1, "attention.n_kv_heads"),
+    (["train", "configs/tiny/nope.yaml"], 1, "nope.yaml"),
+    (["train", "configs/tiny/mla.yaml", "--run-dir", "{run}"], 1, "checkpoint was trained"),
+    (["generate", "{run}/missing", "--max-new", "4"], 1, "no config.yaml"),
+    (["eval", "{run}", "--seq-len", "1000000"], 1, "validation split has"),
+    (["kv_report", "nope.yaml", "--no-plots"], 1, "nope.yaml"),
+    (["replay_report", "{run}", "--timing-len", "0"], 1, "ced_split"),
+    (["bench_indexer", "--formats", "nope"], 2, "nope"),
+    (["demo", "model.d_model=-1"], 1, "model.d_model"),
+]
+
+
+@pytest.mark.parametrize("argv, status, needle", USER_ERRORS,
+                         ids=[" ".join(a[:2]) for a, _, _ in USER_ERRORS])
+def test_user_errors_are_one_line(run_dir, argv, status, needle):
+    p = script(*[a.format(run=run_dir) for a in argv])
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == status, p.stderr.decode()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
+
+
+def test_debug_shows_the_traceback():
+    p = script("train", "configs/tiny/mha.yaml", "attention.n_heads=3", "--debug")
+    assert p.returncode == 1 and b"Traceback" in p.stderr and b"ConfigError" in p.stderr
+
+
+def test_run_keeps_tracebacks_for_bugs(capsys):
+    def user_error(argv):
+        raise ConfigError("attention.top_k: must be >= 1")
+
+    with pytest.raises(SystemExit) as e:
+        cli.run(user_error, [])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{Path(sys.argv[0]).name}: error: attention.top_k: must be >= 1"]
+    with pytest.raises(ZeroDivisionError):  # a bug: the exception (and traceback) goes through
+        cli.run(lambda argv: 1 / 0, [])
+    with pytest.raises(ConfigError):
+        cli.run(user_error, ["--debug"])
+
+
+def test_overrides_anywhere_on_the_line():
+    ap = cli.parser("x", overrides=True)
+    ap.add_argument("config")
+    ap.add_argument("--run-dir")
+    ap.add_argument("--quiet", action="store_true")
+    args = cli.parse(ap, ["a.b=1", "--run-dir", "x=y", "c.yaml", "--quiet", "d.e=2"])
+    assert (args.config, args.run_dir, args.quiet) == ("c.yaml", "x=y", True)
+    assert args.overrides == ["a.b=1", "d.e=2"]
+
+
+def test_demo_help():
+    p = script("demo", "--help")
+    assert p.returncode == 0 and b"usage:" in p.stdout and b"--run-dir" in p.stdout, p.stderr
+
+
+# ----------------------------------------------------------------- 2. generate.py
+def test_every_generate_and_eval_option_has_help():
+    from scripts import eval as eval_script
+    from scripts import generate as generate_script
+
+    for ap in (generate_script.parser(), eval_script.parser()):
+        missing = [a.dest for a in ap._actions if not a.help]
+        assert not missing, missing
+
+
+def test_generate_prompt_file_step_max_len(run_dir, tmp_path):
+    prompt = b"\xff\xfe\x00def f(\x80"  # not UTF-8
+    (tmp_path / "p.bin").write_bytes(prompt)
+    p = script("generate", run_dir, "--prompt-file", tmp_path / "p.bin", "--step", 1,
+               "--max-len", 32, "--max-new", 5, "--temperature", 0)
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.startswith(prompt) and len(p.stdout) == len(prompt) + 5 + 1
+    assert b"checkpoint step 1" in p.stderr
+
+
+@pytest.mark.parametrize("args, status, needle", [
+    (["--max-new", "-1"], 2, "--max-new"),
+    (["--step", "7"], 1, "saved steps: 1, 2"),
+    (["--prompt", "0123456789", "--max-new", "5", "--max-len", "8"], 2, "--max-len 8"),
+])
+def test_generate_bad_arguments(run_dir, args, status, needle):
+    p = script("generate", run_dir, *args)
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == status and len(err) == 1 and needle in err[0], err
+
+
+# ----------------------------------------------------------------- 3. eval.py
+def test_eval_matches_hand_computed_cross_entropy(run_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    p = script("eval", run_dir, "--seq-len", "16,48", "--json", out)
+    assert p.returncode == 0, p.stderr.decode()
+    rows = {r["seq_len"]: r for r in json.loads(out.read_text())["rows"]}
+    model, cfg, step = checkpoint.load_params(run_dir)
+    val = data.load_corpus(cfg.data, cfg.model.vocab_size).val
+    for n in (16, 48):  # 48: three times the training length
+        (batch,) = data.eval_batches(val, 1, 2, n, seed=cfg.train.seed)
+        logits = np.asarray(forward(model, batch["inputs"]), np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+        assert rows[n]["nats_per_token"] == pytest.approx(nll, rel=1e-5)
+        assert rows[n]["bits_per_byte"] == pytest.approx(nll / math.log(2), rel=1e-5)
+    # At the training length with the run's own batches: the val_loss training logged.
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[16]["nats_per_token"] == pytest.approx(logged[-1]["val_loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------- 4. kv_report.py
+def test_kv_report_run_dirs_and_ratio_precision(run_dir, tmp_path):
+    # MHA stores 2 * kv heads * head_dim * 4 B (float32) per layer: 224 and 160 B per token.
+    for name, head_dim in (("mha_a", 14), ("b", 10)):
+        (tmp_path / f"{name}.yaml").write_text(
+            "model: {n_layers: 2}\nattention: {layers: mha, n_heads: 1, n_kv_heads: 1, "
+            f"head_dim: {head_dim}}}\n")
+    p = script("kv_report", tmp_path / "mha_a.yaml", tmp_path / "b.yaml", run_dir,
+               "--no-plots", "--out", tmp_path / "out")
+    assert p.returncode == 0, p.stderr.decode()
+    lines = {line.split()[0]: line.split() for line in p.stdout.decode().splitlines()[2:-1]}
+    assert lines["mha_a"][1] == "224" and lines["b"][1] == "160"
+    assert "1/1.4" in lines["b"]  # 224 / 160, not rounded to 1
+    # The run is named by its directory; its bytes are its config's.
+    run_cfg = config.load(run_dir / "config.yaml")
+    assert lines[run_dir.name][1] == f"{kvbytes.storage_per_token(run_cfg):,.0f}"
+
+
+def test_kv_report_equal_curves_stay_visible(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from scripts import kv_report
+
+    lines = []
+    plot = Axes.plot
+
+    def record(self, *args, **kwargs):
+        out = plot(self, *args, **kwargs)
+        lines.extend(out)
+        return out
+
+    monkeypatch.setattr(Axes, "plot", record)
+    kv_report.write_plots([ROOT / "configs/deepseek/v2.yaml", ROOT / "configs/deepseek/v3.yaml"],
+                          tmp_path, 80.0)
+    for fig in ("B/token", "total"):  # the cache-size and the reads plot
+        v2, v3 = [ln for ln in lines if fig in ln.get_label()]
+        assert np.allclose(np.asarray(v2.get_ydata()), np.asarray(v3.get_ydata()), rtol=0.03)
+        assert "None" not in (v2.get_marker(), v3.get_marker())  # markers show through
+        assert (v2.get_marker(), v2.get_markevery()) != (v3.get_marker(), v3.get_markevery())
+
+
+# ----------------------------------------------------------------- 5. demo
+def test_demo_compares_v41_with_mha_and_mla_at_its_width():
+    from scripts import demo
+
+    assert Path(demo.DEFAULT).name == "v41.yaml"
+    cfg = config.load(demo.DEFAULT)
+    rows = {r["name"]: r for r in demo.cache_rows(cfg)}
+    assert list(rows) == ["mha", "mla", "v41"]
+    for name in ("mha", "mla"):
+        ref = config.load(ROOT / f"configs/tiny/{name}.yaml", ["model.n_layers=10"])
+        assert ref.model.d_model == cfg.model.d_model
+        assert rows[name]["bytes_per_token"] == kvbytes.storage_per_token(ref)
+        assert rows[name]["read_bytes"][65536] == kvbytes.report(ref, 65536)["read_bytes"]
+    assert rows["v41"]["bytes_per_token"] == kvbytes.storage_per_token(cfg)
+
+
+# ----------------------------------------------------------------- 6. docs
+def test_docs_stand_alone():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/design.md" in readme and (ROOT / "docs/design.md").exists()
+    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        assert "../shared" not in path.read_text(), path
+    for needle in ("scripts/eval.py", "--prompt-file", "data.source", "load_params"):
+        assert needle in readme, needle
