@@ -21,3 +21,15 @@ class CheckpointMismatch(DsattnError, ValueError):
 
 class NonFiniteLoss(DsattnError, FloatingPointError):
     """The training loss became NaN or inf."""
+
+
+class InputError(DsattnError, ValueError):
+    """An input a user gave (a prompt, a length, a data file) cannot be used as given."""
+
+
+class CheckpointCorrupt(DsattnError, RuntimeError):
+    """No checkpoint of a run directory loads; the message names each step and why."""
+
+
+class RunDirLocked(DsattnError, RuntimeError):
+    """Another live process is training into the run directory."""

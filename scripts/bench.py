@@ -11,7 +11,6 @@ under ``--out``, and checks the issue's targets against the measured numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,16 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dsattn import bench  # noqa: E402
+from dsattn import bench, cli  # noqa: E402
 from dsattn.model import Transformer  # noqa: E402
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+ints = cli.int_list
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--presets", default=",".join(bench.PRESETS))
     ap.add_argument("--depth", type=int, default=10,
                     help="layers of mha/mla/dsa/v4 (v41 keeps its 10-layer stack)")
@@ -56,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--copy-mb", type=int, default=256)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-plots", action="store_true")
-    return ap.parse_args(argv)
+    return cli.parse(ap, argv)
 
 
 def log(msg: str):
@@ -342,4 +340,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

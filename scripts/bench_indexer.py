@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsattn import cli
 from dsattn.cache import formats
 from dsattn.kernels.indexer_score import KERNEL_FORMATS, paged_scores_tpu, reference_scores
 from dsattn.kernels.indexer_score_gpu import paged_scores_gpu
@@ -45,6 +46,25 @@ def parse_count(text: str) -> int:
     """'4096' or '4K' (K = 1024) -> int."""
     text = text.strip()
     return int(text[:-1]) * 1024 if text[-1:] in "kK" else int(text)
+
+
+def parse_counts(text: str) -> str:
+    """Checks a --contexts list at parse time (a bad one is a usage error)."""
+    try:
+        ok = all(parse_count(c) > 0 for c in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected counts like 1K,4096, got {text!r}")
+    return text
+
+
+def parse_formats(text: str) -> str:
+    bad = [f for f in text.split(",") if f not in KERNEL_FORMATS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown key format {bad[0]!r}; the kernels read "
+                                         f"{', '.join(KERNEL_FORMATS)}")
+    return text
 
 
 def make_inputs(fmt, context, args, rng):
@@ -71,13 +91,14 @@ def median_seconds(fn, inputs, iters):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(__doc__)
     p.add_argument("--impl", default="auto", choices=["auto", *KERNELS],
                    help="kernel to time (auto: the backend's own; pallas_gpu on CPU)")
-    p.add_argument("--contexts", default=None,
+    p.add_argument("--contexts", type=parse_counts, default=None,
                    help=f"entries per row, comma-separated (default {CPU_CONTEXTS} on CPU, "
                         f"{DEVICE_CONTEXTS} on GPU/TPU)")
-    p.add_argument("--formats", default=",".join(KERNEL_FORMATS))
+    p.add_argument("--formats", type=parse_formats, default=",".join(KERNEL_FORMATS),
+                   help="search-key formats, comma-separated (default: all the kernels read)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--queries", type=int, default=1, help="query positions per row")
     p.add_argument("--heads", type=int, default=64)
@@ -90,7 +111,7 @@ def main(argv=None):
     p.add_argument("--peak-gbs", type=float, default=None,
                    help="memory bandwidth in GB/s for the fraction column (GPU default 4300)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = cli.parse(p, argv)
 
     backend = jax.default_backend()
     impl = args.impl if args.impl != "auto" else (
@@ -138,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

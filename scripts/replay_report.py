@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Bounded-replay prefill vs exact prefill for a CED model (DESIGN §7):
-`python scripts/replay_report.py RUN_DIR|CONFIG [--prompt-len 256] [--replays 1,2,4,8,16,32]
- [--timing-len 2048 (0: skip)] [--out runs/replay_report.json]`
+"""Bounded-replay prefill vs exact prefill for a CED model (docs/design.md, replay).
+
+    python scripts/replay_report.py RUN_DIR|CONFIG [KEY=VALUE ...] [--prompt-len 256]
+        [--replays 1,2,4,8,16,32] [--timing-len 2048 (0: skip)] [--out runs/replay_report.json]
 
 For each R: the next-token logit deviation from exact prefill (max |Δlogit|, KL(exact ||
 replay) in nats, argmax agreement) over validation prompts, and the (position, layer)
@@ -9,7 +10,6 @@ evaluation count against enc·T + dec·R. Then the wall time of one exact and on
 (R = window) prefill of a long prompt, medians after a warm-up, in the same run.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -22,16 +22,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dsattn import checkpoint, config, data, generate  # noqa: E402
+from dsattn import cli, config, data, generate  # noqa: E402
+from dsattn.errors import ConfigError  # noqa: E402
 from dsattn.model import Transformer  # noqa: E402
 
 
 def load(source: str, overrides):
     path = Path(source)
+    cfg = config.load(path / "config.yaml" if path.is_dir() else path, overrides)
+    if not cfg.attention.ced_split:  # before restoring any weights
+        raise ConfigError(f"{source}: replay needs a CED config (attention.ced_split > 0)")
     if path.is_dir():
-        model, cfg, step = checkpoint.load_params(path)
+        model, cfg, step = cli.load_run(path, None, overrides)
         return model, cfg, f"{path} (step {step})"
-    cfg = config.load(path, overrides)
     return Transformer(cfg, rngs=nnx.Rngs(0)), cfg, f"{path} (untrained)"
 
 
@@ -62,18 +65,19 @@ def timed(fn, repeats: int = 3) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = cli.parser(__doc__, overrides=True)
     ap.add_argument("source", help="a run directory (trained) or a CED config (random weights)")
-    ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--replays", default="1,2,4,8,16,32,64")
-    ap.add_argument("--timing-len", type=int, default=2048)
-    ap.add_argument("--out", default="runs/replay_report.json")
-    args = ap.parse_args(argv)
+    ap.add_argument("--prompt-len", type=cli.positive_int, default=256,
+                    help="tokens per validation prompt (default 256)")
+    ap.add_argument("--prompts", type=cli.positive_int, default=8,
+                    help="validation prompts (default 8)")
+    ap.add_argument("--replays", type=cli.int_list, default=cli.int_list("1,2,4,8,16,32,64"),
+                    help="replay lengths R to compare (default 1,2,4,8,16,32,64)")
+    ap.add_argument("--timing-len", type=cli.nonnegative_int, default=2048,
+                    help="prompt length of the exact vs replay timing (0: skip; default 2048)")
+    ap.add_argument("--out", default="runs/replay_report.json", help="JSON output file")
+    args = cli.parse(ap, argv)
     model, cfg, what = load(args.source, args.overrides)
-    if not cfg.attention.ced_split:
-        sys.exit(f"{args.source}: replay needs a CED config (attention.ced_split > 0)")
     enc = cfg.attention.ced_split
     dec = cfg.model.n_layers - enc
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
@@ -87,7 +91,7 @@ def main(argv=None):
           f"decoder {dec}; window {cfg.attention.window}")
     print(f"{'R':>6} {'max|dlogit|':>12} {'mean KL':>10} {'argmax=':>8} {'evals':>8} "
           f"{'enc*T+dec*R':>12}")
-    for r in [int(x) for x in args.replays.split(",")]:
+    for r in args.replays:
         logits, ev = prefill_logits(model, tokens, r)
         row = {"R": r, **deviation(exact, logits), "evaluations_per_prompt": ev // args.prompts,
                "formula": enc * t + dec * min(r, t)}
@@ -128,4 +132,4 @@ def time_prefill(model, cfg, corpus, n, enc, dec):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,25 +1,26 @@
 #!/usr/bin/env python
-"""Train a preset: `python scripts/train.py CONFIG [key=value ...] [--run-dir DIR]`.
+"""Train a preset on its data (default: the embedded stdlib corpus).
 
-Rerunning the same command resumes from the run directory's latest checkpoint.
+    python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet]
+
+Rerunning the same command resumes from the run directory's latest checkpoint. The run
+directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import config, train  # noqa: E402
+from dsattn import cli, config, train  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = cli.parser(__doc__, overrides=True)
     ap.add_argument("config", help="YAML preset, e.g. configs/tiny/mla.yaml")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
     ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = cli.parse(ap, argv)
     cfg = config.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
     out = train.train(cfg, run_dir, quiet=args.quiet)
@@ -29,4 +30,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

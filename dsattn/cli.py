@@ -1,0 +1,137 @@
+"""What every script in scripts/ shares: one argparse flavour and one error policy.
+
+A user's mistake ends a script with one line on stderr: a `DsattnError` (bad config value,
+mismatched checkpoint, exhausted cache, ...) or a missing file exits with status 1, a bad
+argument with status 2. Anything else is a bug and keeps its traceback. `--debug` (or
+DSATTN_DEBUG=1) keeps the traceback for user errors too.
+
+    def main(argv=None):
+        ap = cli.parser(__doc__, overrides=True)
+        ...
+        args = cli.parse(ap, argv)        # args.overrides: every KEY=VALUE, wherever it was
+
+    if __name__ == "__main__":
+        cli.run(main)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from dsattn.errors import DsattnError
+
+# Missing or unreadable files are the user's to fix; other OSErrors may be bugs.
+USER_ERRORS = (DsattnError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
+OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.\w+)?=.*", re.S)  # section.key=value (or name=...)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parser(doc: str | None, *, overrides: bool = False) -> Parser:
+    """A parser with --debug and, if asked, KEY=VALUE config overrides. Add the script's own
+    positionals before calling `parse` (overrides are collected from anywhere)."""
+    epilog = ("KEY=VALUE config overrides (section.key=value, e.g. train.steps=100) may stand "
+              "anywhere on the command line." if overrides else None)
+    ap = Parser(description=doc, epilog=epilog, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true",
+                    help="show the full traceback of an error (also DSATTN_DEBUG=1)")
+    ap.set_defaults(overrides=[])
+    ap._dsattn_overrides = overrides
+    return ap
+
+
+def parse(ap: Parser, argv=None) -> argparse.Namespace:
+    """Parse argv; with overrides, every KEY=VALUE that is not an option's value (before or
+    after options, before or after positionals) goes to args.overrides in order."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = []
+    if getattr(ap, "_dsattn_overrides", False):
+        rest, takes_value = [], False
+        for tok in argv:
+            if not takes_value and OVERRIDE.fullmatch(tok) and not os.path.exists(tok):
+                overrides.append(tok)
+            else:
+                rest.append(tok)
+            action = ap._option_string_actions.get(tok) if tok.startswith("-") else None
+            takes_value = action is not None and action.nargs != 0
+        argv = rest
+    args = ap.parse_args(argv)
+    args.overrides = overrides
+    return args
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return n
+
+
+def nonnegative_int(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return n
+
+
+def int_list(text: str) -> list[int]:
+    """'128,512' -> [128, 512] (each >= 1)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return out
+
+
+def run(main, argv=None):
+    """Run main(argv) under the error policy and exit with its status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args or os.environ.get("DSATTN_DEBUG", "") not in ("", "0")
+    prog = os.path.basename(sys.argv[0]) or "dsattn"
+    try:
+        status = main(args)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
+        text += f": {e.filename}"
+    return text
+
+
+def load_run(run_dir, step: int | None = None, overrides=()):
+    """(model, cfg, step) of a run directory: its config.yaml (plus overrides; the model's own
+    sections must not change) and the latest or the given checkpoint step."""
+    from pathlib import Path
+
+    from dsattn import checkpoint
+
+    run_dir = Path(run_dir)
+    cfg = checkpoint.load_run_config(run_dir, overrides)
+    if step is not None:
+        saved = checkpoint.manager(run_dir, keep=1_000_000).all_steps()
+        if step not in saved:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; saved steps: "
+                                    f"{', '.join(map(str, sorted(saved))) or 'none'}")
+    return checkpoint.load_params(run_dir, cfg, step)
