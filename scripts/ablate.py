@@ -10,25 +10,21 @@ The sweep directory (default runs/ablations/<name>) holds runs/<row>/seed<k>/,
 results.csv, results.json, pareto.png, recall.png and curves.png.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import ablate  # noqa: E402
-from dsattn.errors import DsattnError  # noqa: E402
+from dsattn import ablate, cli  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__, overrides=True)
     ap.add_argument("sweep", nargs="?", help="sweep file, e.g. configs/ablations/ratios.yaml")
-    ap.add_argument("overrides", nargs="*", help="KEY=VALUE applied to every row")
     ap.add_argument("--report", metavar="SWEEP_DIR", help="redraw plots and table, no training")
     ap.add_argument("--out", help="sweep directory (default runs/ablations/<name>)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv)
     if bool(args.report) == bool(args.sweep):
         ap.error("give a sweep file or --report SWEEP_DIR")
     if args.report:
@@ -43,7 +39,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DsattnError, FileNotFoundError) as e:  # a user's mistake: one line, no traceback
-        sys.exit(f"ablate: error: {e}")
+    cli.run(main)
