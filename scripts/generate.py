@@ -1,55 +1,82 @@
 #!/usr/bin/env python
-"""Continue a prompt with a trained run:
-`python scripts/generate.py RUN_DIR --prompt "def main(" [--max-new 200] [--temperature 0.8]`
+"""Continue a prompt with a trained run.
 
-Loads the run's config and latest checkpoint; prints the continuation as it is produced.
+    python scripts/generate.py RUN_DIR [--prompt TEXT | --prompt-file FILE] [--max-new 200]
+        [--step S] [--max-len L] [--temperature 0.8] [--top-p 0.95] [--seed 0] [--stop TEXT]
+
+Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint, then writes the prompt and
+its continuation to stdout as raw bytes while they are produced (tokens are bytes), and the
+speed to stderr.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import checkpoint, data, generate  # noqa: E402
+from dsattn import cli  # noqa: E402
+
+
+def parser():
+    ap = cli.parser(__doc__)
+    ap.add_argument("run_dir", help="a run directory written by scripts/train.py")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="def ", help="prompt text, UTF-8 (default: 'def ')")
+    src.add_argument("--prompt-file", type=Path, default=None,
+                     help="read the prompt from this file as raw bytes (no encoding needed)")
+    ap.add_argument("--max-new", type=cli.nonnegative_int, default=200,
+                    help="new tokens to generate at most (default 200)")
+    ap.add_argument("--step", type=cli.nonnegative_int, default=None,
+                    help="checkpoint step to load (default: the latest)")
+    ap.add_argument("--max-len", type=cli.positive_int, default=None,
+                    help="cache length in tokens, prompt included (default: prompt + max-new "
+                         "rounded up to a power of two, at least 64)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="sampling temperature; 0 is greedy (default 0.8)")
+    ap.add_argument("--top-p", type=float, default=0.95,
+                    help="nucleus sampling: keep the smallest set of tokens with this much "
+                         "probability (default 0.95)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                    help="stop once the output ends with TEXT (repeatable)")
+    return ap
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("run_dir")
-    ap.add_argument("--prompt", default="def ")
-    ap.add_argument("--max-new", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    args = ap.parse_args(argv)
-    model, cfg, step = checkpoint.load_params(args.run_dir)
-    prompt = data.encode(args.prompt).tolist()
-    pending = bytearray()
+    ap = parser()
+    args = cli.parse(ap, argv)
+    prompt = (args.prompt_file.read_bytes() if args.prompt_file is not None
+              else args.prompt.encode("utf-8"))
+    if not prompt:
+        ap.error("the prompt is empty")
+    if args.max_len is not None and len(prompt) + args.max_new > args.max_len:
+        ap.error(f"--max-len {args.max_len} cannot hold the {len(prompt)}-token prompt plus "
+                 f"--max-new {args.max_new}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
+    from dsattn import data, generate  # after parsing: usage errors need no JAX start-up
 
-    def show(_row, tok):  # bytes may split a UTF-8 character: print whole characters only
-        pending.append(tok)
-        try:
-            text = pending.decode("utf-8")
-        except UnicodeDecodeError:
-            if len(pending) < 4:
-                return
-            text = pending.decode("utf-8", errors="replace")
-        print(text, end="", flush=True)
-        pending.clear()
+    model, cfg, step = cli.load_run(args.run_dir, args.step)
+    out = sys.stdout.buffer
+    out.write(prompt)
+    out.flush()
 
-    print(args.prompt, end="", flush=True)
+    def show(_row, tok):  # raw bytes: a terminal joins the bytes of a character itself
+        out.write(bytes([tok]))
+        out.flush()
+
     t0 = time.perf_counter()
-    out = generate.generate(model, [prompt], args.max_new, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed,
-                            stop=[data.encode(s).tolist() for s in args.stop], on_token=show)
+    new = generate.generate(model, [list(prompt)], args.max_new, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, max_len=args.max_len,
+                            stop=[data.encode(s).tolist() for s in args.stop], on_token=show)[0]
     dt = time.perf_counter() - t0
-    print(f"\n[{len(out[0])} tokens in {dt:.2f}s = {len(out[0]) / dt:.1f} tokens/s "
-          f"incl. compile; checkpoint step {step}]")
-    return out[0]
+    out.write(b"\n")
+    out.flush()
+    print(f"[{len(new)} tokens in {dt:.2f} s = {len(new) / dt:.1f} tokens/s incl. compile; "
+          f"checkpoint step {step}]", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
