@@ -1,0 +1,85 @@
+"""Held-out loss of a model at chosen context lengths (scripts/eval.py).
+
+The loss at sequence length T is the mean next-token cross-entropy over fixed validation
+batches: `data.eval_batches(corpus.val, n_batches, batch_size, T, seed)`, the same windows
+for every checkpoint, so losses are comparable over a run and across runs. At the run's own
+train.seq_len, eval_batches and batch_size (and seed = train.seed) this is exactly the
+validation loss training logs. Lengths beyond the training length measure extrapolation.
+
+Losses are in nats per token and bits per token (nats / ln 2); on byte-level corpora (every
+source but .u16/.bin token files) a token is a byte, so bits per token is bits per byte.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsattn import data
+from dsattn.errors import InputError
+
+
+def is_byte_level(source: str) -> bool:
+    """True unless data.source names uint16 token files (data.TOKEN_SUFFIXES)."""
+    return Path(source).suffix.lower() not in data.TOKEN_SUFFIXES
+
+
+def _sum_nll(graphdef, state, inputs, targets):
+    logits = nnx.merge(graphdef, nnx.State(state))(inputs)
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+
+
+_sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)
+
+
+def mean_loss(model, batches) -> float:
+    """Mean next-token cross-entropy (nats per token) of `model` over `batches`
+    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape."""
+    graphdef, state = nnx.split(model)
+    state = nnx.to_pure_dict(state)
+    total, count = 0.0, 0
+    for b in batches:
+        total += float(_sum_nll_jit(graphdef, state, jnp.asarray(b["inputs"]),
+                                    jnp.asarray(b["targets"])))
+        count += b["targets"].size
+    return total / count
+
+
+def check_lengths(corpus, seq_lens) -> None:
+    """Raise InputError unless every length fits the validation split (seq_len + 1 tokens)."""
+    for n in seq_lens:
+        if n < 1 or len(corpus.val) < n + 1:
+            raise InputError(f"sequence length {n}: the validation split has "
+                             f"{len(corpus.val)} tokens, need at least seq_len + 1")
+
+
+def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
+             batch_size: int | None = None, corpus=None) -> list[dict]:
+    """One row per sequence length: nats and bits per token of the validation split of
+    cfg.data.source (or the given corpus). Batches default to the run's validation setting
+    (train.eval_batches of train.batch_size)."""
+    t = cfg.train
+    n_batches = n_batches or t.eval_batches
+    batch_size = batch_size or t.batch_size
+    corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
+    byte_level = is_byte_level(cfg.data.source)
+    check_lengths(corpus, seq_lens)
+    rows = []
+    for n in seq_lens:
+        batches = data.eval_batches(corpus.val, n_batches, batch_size, n, seed=t.seed)
+        nats = mean_loss(model, batches)
+        bits = nats / math.log(2)
+        rows.append({"seq_len": n, "tokens": n_batches * batch_size * n,
+                     "nats_per_token": nats, "bits_per_token": bits,
+                     "bits_per_byte": bits if byte_level else None,
+                     "trained_seq_len": t.seq_len})
+    return rows
+
+
+__all__ = ["evaluate", "check_lengths", "mean_loss", "is_byte_level"]

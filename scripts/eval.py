@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Held-out loss of a trained run at chosen context lengths, longer than training included.
+
+    python scripts/eval.py RUN_DIR [--seq-len 128,512] [--step S] [--data SOURCE]
+        [--batches N] [--batch-size B] [--json FILE] [KEY=VALUE ...]
+
+Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint and prints, per length, the
+mean next-token cross-entropy over fixed validation batches in nats per token and bits per
+byte (tokens are bytes; bits = nats / ln 2). The validation split is that of the run's
+data.source, or of --data (a text file or glob, or a .u16/.bin token file); KEY=VALUE
+overrides such as data.val_fraction=0.5 apply to the run's config (model sections may not
+change). At the training length with the default batches the loss is the one training
+logged as val_loss.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsattn import cli  # noqa: E402
+
+
+def parser():
+    ap = cli.parser(__doc__, overrides=True)
+    ap.add_argument("run_dir", help="a run directory written by scripts/train.py")
+    ap.add_argument("--seq-len", type=cli.int_list, action="append", default=None,
+                    metavar="N[,N...]",
+                    help="context lengths to evaluate (repeatable; default: the run's "
+                         "train.seq_len and 4 times it)")
+    ap.add_argument("--step", type=cli.nonnegative_int, default=None,
+                    help="checkpoint step to evaluate (default: the latest)")
+    ap.add_argument("--data", default=None, metavar="SOURCE",
+                    help="evaluate on this data.source's validation split instead")
+    ap.add_argument("--batches", type=cli.positive_int, default=None,
+                    help="validation batches per length (default: the run's train.eval_batches)")
+    ap.add_argument("--batch-size", type=cli.positive_int, default=None,
+                    help="sequences per batch (default: the run's train.batch_size)")
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE",
+                    help="also write the rows as JSON to FILE")
+    return ap
+
+
+def main(argv=None):
+    args = cli.parse(parser(), argv)
+    from dsattn import checkpoint, data, evaluate  # after parsing: usage errors skip JAX
+
+    overrides = args.overrides + ([f"data.source={args.data}"] if args.data else [])
+    cfg = checkpoint.load_run_config(args.run_dir, overrides)
+    lens = ([n for group in args.seq_len for n in group] if args.seq_len
+            else [cfg.train.seq_len, 4 * cfg.train.seq_len])
+    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+    evaluate.check_lengths(corpus, lens)  # before the (slow) checkpoint restore
+    model, cfg, step = cli.load_run(args.run_dir, args.step, overrides)
+    rows = evaluate.evaluate(model, cfg, lens, n_batches=args.batches,
+                             batch_size=args.batch_size, corpus=corpus)
+    print(f"{args.run_dir} (step {step}), validation split of {cfg.data.source}; "
+          f"trained at seq_len {cfg.train.seq_len}")
+    print(f"{'seq_len':>8} {'tokens':>9} {'nats/token':>11} {'bits/byte':>10}")
+    for r in rows:
+        bpb = f"{r['bits_per_byte']:.4f}" if r["bits_per_byte"] is not None else "-"
+        print(f"{r['seq_len']:>8} {r['tokens']:>9} {r['nats_per_token']:>11.4f} {bpb:>10}")
+    if args.json:
+        args.json.write_text(json.dumps({"run_dir": str(args.run_dir), "step": step,
+                                         "data": cfg.data.source, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    cli.run(main)
