@@ -1,9 +1,12 @@
 """KV-cache report: storage per token, local window, crossover and reads per decode step.
 
-    python scripts/kv_report.py configs/deepseek/*.yaml [--context 128K] [--out runs/kv_report]
+    python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out runs/kv_report]
+        [KEY=VALUE ...]
 
-Prints one row per config (the byte accounting of dsattn.kvbytes, seed 000's rules) and writes
-into --out:
+Prints one row per config (the byte accounting of dsattn.kvbytes, seed 000's rules): a YAML
+preset (row named by its config name) or a run directory (its config.yaml; row named by the
+run directory). "vs" is the reference's storage per token over the row's: the first row named
+mha*, else the largest. Writes into --out:
   cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
                       horizontal memory-budget line (--budget-gb, in GiB = 2^30 B, the unit seed
                       001's figure uses: 480 GB for MHA at 128K)
@@ -24,8 +27,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import kvbytes
-from dsattn.config import load
+from dsattn import cli, kvbytes
+from dsattn.config import load as load_preset
 
 GIB = 2**30
 PLOT_MIN, PLOT_MAX = 2**10, 2**20  # 1K .. 1M tokens
@@ -55,10 +58,25 @@ def _bytes(x: float) -> str:
     return f"{x:,.2f}".rstrip("0").rstrip(".") if x != int(x) else f"{int(x):,}"
 
 
+def load(path, overrides=()):
+    """A preset file, or a run directory's config.yaml."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.yaml").exists():
+            raise FileNotFoundError(f"{path}: no config.yaml; is this a dsattn run directory?")
+        path = path / "config.yaml"
+    return load_preset(path, overrides)
+
+
+def label(path, cfg) -> str:
+    """A run directory's rows carry the run's name; a preset's its config name."""
+    return Path(path).resolve().name if Path(path).is_dir() else cfg.name
+
+
 def reference_row(rows: list[dict]) -> dict:
     """The first config named mha*, else the one with the largest storage per token."""
     for r in rows:
-        if r["name"].lower().startswith("mha"):
+        if r["name"].lower().startswith("mha") or r["preset"].lower().startswith("mha"):
             return r
     return max(rows, key=lambda r: r["storage_bytes_per_token"])
 
@@ -68,7 +86,7 @@ def build_rows(paths, context: int, overrides=()) -> list[dict]:
     for p in paths:
         cfg = load(p, overrides)
         row = kvbytes.report(cfg, context)
-        row["config"] = str(p)
+        row.update(name=label(p, cfg), preset=cfg.name, config=str(p))
         rows.append(row)
     if rows:
         ref = reference_row(rows)
@@ -77,6 +95,18 @@ def build_rows(paths, context: int, overrides=()) -> list[dict]:
             r["reference"] = ref["name"]
             r["ratio_to_reference"] = ref["storage_bytes_per_token"] / s if s else None
     return rows
+
+
+def _ratio(r) -> str:
+    """Reference bytes / row bytes as 1/N: two significant digits below 10 (224 vs 160 B is
+    1/1.4, not 1), whole numbers above; a row storing more than the reference shows Nx."""
+    if r is None:
+        return "-"
+    if abs(r - 1) < 0.005:
+        return "1"
+    if r < 1:
+        return f"{1 / r:.2g}x"
+    return f"1/{r:,.0f}" if r >= 10 else f"1/{r:.2g}"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -91,7 +121,7 @@ def format_table(rows: list[dict]) -> str:
             r["name"],
             _bytes(r["storage_bytes_per_token"]),
             _bytes(r["storage_bf16_bytes_per_token"]),
-            "-" if ratio is None else ("1" if round(ratio) == 1 else f"1/{ratio:,.0f}"),
+            _ratio(ratio),
             _si(r["local_bytes"]) if r["local_bytes"] else "-",
             f"{cross:,.0f} tok" if cross is not None else "-",
             _si(r["read_bytes"]),
@@ -115,6 +145,16 @@ def _contexts(points_per_octave: int = 4) -> list[int]:
     return sorted(set(out))
 
 
+MARKERS = "osD^v<>ph*"
+
+
+def line_style(j: int) -> dict:
+    """Equal curves (V2 and V3 store the same bytes) must stay visible: alternate the line
+    style and give each config its own marker shape at staggered points."""
+    return dict(ls=("-", "-.")[j % 2], marker=MARKERS[j % len(MARKERS)],
+                markevery=(j % 4, 4), markersize=5)
+
+
 def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
     import matplotlib
 
@@ -122,16 +162,16 @@ def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
     import matplotlib.pyplot as plt
 
     cfgs = [load(p, overrides) for p in paths]
+    names = [label(p, c) for p, c in zip(paths, cfgs)]
     xs = _contexts()
     files = []
 
-    styles = ("-", "-.")  # alternate so equal curves (V2 and V3) both stay visible
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for j, cfg in enumerate(cfgs):
         ys = [(kvbytes.global_bytes(cfg, n) + kvbytes.local_bytes(cfg, context=n)) / GIB
               for n in xs]
         per_token = _bytes(kvbytes.storage_per_token(cfg))
-        ax.plot(xs, ys, ls=styles[j % 2], label=f"{cfg.name} ({per_token} B/token)")
+        ax.plot(xs, ys, label=f"{names[j]} ({per_token} B/token)", **line_style(j))
     ax.axhline(budget_gb, color="k", ls="--", lw=1)
     ax.text(xs[0], budget_gb * 1.15, f"memory budget {budget_gb:g} GiB", fontsize=9)
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
@@ -147,11 +187,12 @@ def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for j, cfg in enumerate(cfgs):
         reps = [kvbytes.report(cfg, n) for n in xs]
-        (line,) = ax.plot(xs, [r["read_bytes"] for r in reps], ls=styles[j % 2],
-                          label=f"{cfg.name} total")
+        (line,) = ax.plot(xs, [r["read_bytes"] for r in reps], label=f"{names[j]} total",
+                          **line_style(j))
         keys = [r["read_key_bytes"] for r in reps]
         if any(keys):
-            ax.plot(xs, keys, ls=":", color=line.get_color(), label=f"{cfg.name} search keys")
+            ax.plot(xs, keys, ls=":", color=line.get_color(),
+                    label=f"{names[j]} search keys")
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
            ylabel="bytes read per decode step (all layers)",
            title="Reads per generated token (deployed cache formats)")
@@ -165,9 +206,9 @@ def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("configs", nargs="+", help="YAML presets, e.g. configs/deepseek/*.yaml")
+    ap = cli.parser(__doc__, overrides=True)
+    ap.add_argument("configs", nargs="+", metavar="CONFIG_OR_RUN_DIR",
+                    help="YAML presets (e.g. configs/deepseek/*.yaml) or run directories")
     ap.add_argument("--context", type=parse_tokens, default=131072,
                     help="tokens already cached for the read columns (default 131072 = 128K)")
     ap.add_argument("--out", type=Path, default=Path("runs/kv_report"),
@@ -175,20 +216,22 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gb", type=float, default=80.0,
                     help="memory budget line in the cache-size plot, GiB (default 80)")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override applied to every config, e.g. attention.top_k=1024")
+                    help="config override applied to every config, e.g. attention.top_k=1024 "
+                         "(a bare KEY=VALUE does the same)")
     ap.add_argument("--no-plots", action="store_true", help="print and write JSON only")
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv)
+    overrides = args.override + args.overrides
 
-    rows = build_rows(args.configs, args.context, args.override)
+    rows = build_rows(args.configs, args.context, overrides)
     print(format_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_report.json").write_text(json.dumps(rows, indent=1))
     written = [args.out / "kv_report.json"]
     if not args.no_plots:
-        written += write_plots(args.configs, args.out, args.budget_gb, args.override)
+        written += write_plots(args.configs, args.out, args.budget_gb, overrides)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)
