@@ -1,15 +1,24 @@
-"""Run directories: the config a run was trained with, and orbax checkpoints of its state.
+"""Run directories: the config a run was trained with, orbax checkpoints of its state, and the
+lock that keeps one writer per directory.
 
-A run directory holds `config.yaml` (written once), `metrics.jsonl` and `checkpoints/`.
-Restoring checks the saved config first, so a checkpoint is never loaded into a model of
-another shape: the error names the first differing key.
+A run directory holds `config.yaml` (rewritten on resume; its model sections never change),
+`metrics.jsonl`, `checkpoints/` and `.lock`. Restoring checks the saved config first, so a
+checkpoint is never loaded into a model of another shape: the error names the first differing
+key; the checkpoint's own tree is checked too (parameter path and both shapes). A damaged
+checkpoint is skipped, with a warning, for the newest one that loads.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import time
+import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
@@ -19,12 +28,62 @@ from dsattn import config as config_lib
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 
 
-from dsattn.errors import CheckpointMismatch  # noqa: F401  (re-exported)
+from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  # noqa: F401, E402
+
+
+class RunDirLock:
+    """One writer per run directory: an exclusive flock on `run_dir/.lock`, which holds the
+    writer's pid for messages. The kernel drops a flock when its process dies (kill -9 too), so
+    staleness needs no pid checks: a lock we can take that still names a pid was left by a dead
+    process, and is taken over with a warning. The file is never deleted (an unlink races with
+    a process that has opened it and is about to lock it); release empties it."""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / ".lock"
+        self._file = None
+        self.acquire()
+
+    def acquire(self) -> None:
+        if self._file is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip()
+            f.close()
+            raise RunDirLocked(
+                f"{self.path.parent} is being trained by another process"
+                f"{f' (pid {owner})' if owner else ''}; wait for it to finish, stop it, or use "
+                f"another run directory") from None
+        f.seek(0)
+        previous = f.read().strip()
+        if previous and previous != str(os.getpid()):
+            warnings.warn(f"{self.path.parent}: taking over the lock left by pid {previous}, "
+                          f"which is no longer running", stacklevel=3)
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.truncate(0)  # empty: the next writer sees a clean release
+            self._file.close()  # closing drops the flock
+            self._file = None
 
 
 def save_config(run_dir: Path, cfg) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+
+def saved_config(run_dir) -> dict | None:
+    """The run directory's config.yaml as a plain dict (None if there is none)."""
+    path = Path(run_dir) / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.exists() else None
 
 
 def load_run_config(run_dir, overrides=()):
@@ -36,10 +95,9 @@ def load_run_config(run_dir, overrides=()):
 
 def check_compatible(run_dir: Path, cfg) -> None:
     """Raise CheckpointMismatch if run_dir was trained with a different model config."""
-    path = run_dir / "config.yaml"
-    if not path.exists():
+    saved = saved_config(run_dir)
+    if saved is None:
         return
-    saved = yaml.safe_load(path.read_text())
     now = yaml.safe_load(cfg.to_yaml())
     for sec in MODEL_SECTIONS:
         a, b = saved.get(sec, {}), now.get(sec, {})
@@ -51,15 +109,52 @@ def check_compatible(run_dir: Path, cfg) -> None:
                     f"or the run's own config")
 
 
-def manager(run_dir: Path, keep: int) -> ocp.CheckpointManager:
+def manager(run_dir: Path, keep: int, *, writer: bool = False) -> ocp.CheckpointManager:
+    """The run's CheckpointManager. The writer (holding the run's lock) first removes the
+    unfinished `<step>.orbax-checkpoint-tmp*` directories of killed saves (orbax never lists
+    them); for a reader they may be a save in progress."""
+    directory = (Path(run_dir) / "checkpoints").absolute()
+    if writer:
+        for tmp in directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp)
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    return ocp.CheckpointManager((Path(run_dir) / "checkpoints").absolute(), options=opts)
+    return ocp.CheckpointManager(directory, options=opts)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, **items) -> None:
     """Save named pytrees (e.g. params=..., opt_state=...) as one checkpoint step."""
     mngr.save(step, args=ocp.args.Composite(
         **{k: ocp.args.StandardSave(v) for k, v in items.items()}), force=True)
+
+
+def _step_dir(mngr, step: int) -> Path:
+    return Path(mngr.directory) / str(step)  # orbax's default step name: the bare number
+
+
+def _tree_differences(mngr, step: int, like: dict) -> list[str]:
+    """Where the saved trees differ from `like` (paths and shapes), from the step's metadata."""
+    name = lambda path: jax.tree_util.keystr(path, simple=True, separator=".")
+    out = []
+    for item, tree in like.items():
+        meta = ocp.StandardCheckpointHandler().metadata(_step_dir(mngr, step) / item).tree
+        saved = {name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(meta)}
+        model = {name(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+        for key in sorted(set(saved) | set(model)):
+            if key not in model:
+                out.append(f"{item}.{key} {saved[key]} is in the checkpoint, not in the model")
+            elif key not in saved:
+                out.append(f"{item}.{key} {model[key]} is in the model, not in the checkpoint")
+            elif saved[key] != model[key]:
+                out.append(f"{item}.{key} has shape {saved[key]} in the checkpoint and "
+                           f"{model[key]} in the model")
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    while e.__cause__ is not None:  # orbax wraps what is wrong with the file (raise ... from)
+        e = e.__cause__
+    text = " ".join(str(e).split("\n", 1)[0].split())  # orbax errors run to pages
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, **like) -> dict:
@@ -69,8 +164,51 @@ def restore(mngr: ocp.CheckpointManager, step: int, **like) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(**args))
 
 
+def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool = False,
+                   **like) -> tuple[int | None, dict | None]:
+    """(step, items) of the newest checkpoint (among `steps`, default all) that loads, shaped
+    like the given pytrees; (None, None) if there is no checkpoint.
+
+    A step that does not load (truncated or missing files) is skipped with a warning naming it
+    and why; `set_aside=True` (the run's writer) renames the skipped ones to
+    `<step>.corrupt-<time>` once an older one loads, so the run saves those steps afresh and
+    nothing is deleted. If none loads: CheckpointCorrupt, nothing renamed. A tree that differs
+    from `like` is CheckpointMismatch, not damage: every step of a run has the same tree.
+    """
+    skipped = []
+    for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
+        try:
+            differences = _tree_differences(mngr, step, like)
+            if not differences:
+                items = restore(mngr, step, **like)
+        except Exception as e:  # noqa: BLE001 (any failure to read is a damaged checkpoint)
+            skipped.append((step, _reason(e)))
+            warnings.warn(f"{mngr.directory}: skipping checkpoint step {step}: it does not load "
+                          f"({skipped[-1][1]})", stacklevel=2)
+            continue
+        if differences:
+            more = f"; and {len(differences) - 3} more" if len(differences) > 3 else ""
+            raise CheckpointMismatch(
+                f"{_step_dir(mngr, step)} does not fit this config: "
+                f"{'; '.join(differences[:3])}{more}")
+        if set_aside and skipped:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for bad, _ in skipped:
+                dest = _step_dir(mngr, bad).with_name(f"{bad}.corrupt-{stamp}")
+                _step_dir(mngr, bad).rename(dest)
+                warnings.warn(f"{mngr.directory}: moved the damaged step {bad} to {dest.name}; "
+                              f"resuming from step {step}", stacklevel=2)
+            mngr.reload()
+        return step, items
+    if skipped:
+        raise CheckpointCorrupt(f"{mngr.directory}: no checkpoint loads: "
+                                + "; ".join(f"step {s}: {why}" for s, why in skipped))
+    return None, None
+
+
 def load_params(run_dir, cfg=None, step: int | None = None):
-    """A Transformer with the latest (or given) checkpoint's parameters, and its config."""
+    """A Transformer with the latest (or given) checkpoint's parameters, and its config. The
+    latest is the newest that loads: damaged ones are skipped with a warning."""
     from flax import nnx
 
     from dsattn.model import Transformer
@@ -79,11 +217,11 @@ def load_params(run_dir, cfg=None, step: int | None = None):
     cfg = cfg or load_run_config(run_dir)
     check_compatible(run_dir, cfg)
     mngr = manager(run_dir, keep=1_000_000)
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint to load")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    nnx.replace_by_pure_dict(state, restore(mngr, step, params=params)["params"])
+    step, restored = restore_latest(mngr, steps=None if step is None else [step], params=params)
+    if step is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint to load")
+    nnx.replace_by_pure_dict(state, restored["params"])
     return nnx.merge(graphdef, state), cfg, step

@@ -2,13 +2,17 @@
 validation, metrics.jsonl, orbax checkpoints and exact resume.
 
 Batches are a pure function of (seed, step) (dsattn.data.batch_at), so a rerun of the same
-command resumes from the latest checkpoint and continues exactly as if never stopped.
+command resumes from the latest checkpoint and continues exactly as if never stopped. The run
+directory survives kill -9 (orbax commits a step by renaming its finished directory;
+metrics.jsonl is cut back to the restored step), a damaged latest checkpoint (the one before
+is used) and a second writer (refused by a lock).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -24,8 +28,7 @@ from dsattn.config import Config
 from dsattn.model import Transformer
 
 
-from dsattn.errors import NonFiniteLoss  # noqa: F401  (re-exported)
-
+from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     t = cfg.train
@@ -54,32 +57,63 @@ def loss_fn(model: Transformer, batch: dict, step=None):
     return total, metrics
 
 
+def _logged_step(line: str) -> float:
+    """A metrics.jsonl line's step; inf if it is not a record (a killed run's half line)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class Trainer:
-    """Holds the functional state (params, optimizer state) and the jitted step."""
+    """Holds the functional state (params, optimizer state) and the jitted step.
+
+    The run directory is locked (checkpoint.RunDirLock) while the Trainer writes to it, during
+    construction and `run`: a second writer gets RunDirLocked, and so does `run` if another
+    process saved a checkpoint since this Trainer last did (make a new Trainer to resume).
+    Resuming restores the newest checkpoint that loads and cuts metrics.jsonl back to its step.
+    """
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
-        checkpoint.check_compatible(self.run_dir, cfg)
-        self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
-        self.graphdef, state = nnx.split(model)
-        self.params = nnx.to_pure_dict(state)
-        self.tx = make_optimizer(cfg)
-        self.opt_state = self.tx.init(self.params)
-        self.step = 0
-        self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints)
-        latest = self.mngr.latest_step()
-        if latest is not None:
-            restored = checkpoint.restore(self.mngr, latest, params=self.params,
-                                          opt_state=self.opt_state)
-            self.params, self.opt_state = restored["params"], restored["opt_state"]
-            self.step = latest
-        checkpoint.save_config(self.run_dir, cfg)
+        self.lock = checkpoint.RunDirLock(self.run_dir)  # before anything is read or written
+        try:
+            checkpoint.check_compatible(self.run_dir, cfg)
+            self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+            model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
+            self.graphdef, state = nnx.split(model)
+            self.params = nnx.to_pure_dict(state)
+            self.tx = make_optimizer(cfg)
+            self.opt_state = self.tx.init(self.params)
+            self.step = 0
+            self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints, writer=True)
+            step, restored = checkpoint.restore_latest(
+                self.mngr, set_aside=True, params=self.params, opt_state=self.opt_state)
+            if step is not None:
+                self.params, self.opt_state = restored["params"], restored["opt_state"]
+                self.step = step
+            self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
+            self._cut_metrics()
+            checkpoint.save_config(self.run_dir, cfg)
+        finally:
+            self.lock.release()  # until run(): an idle Trainer does not block the directory
         self._train_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._eval_step = jax.jit(self._eval_impl)
         t = cfg.train
         self.val_batches = data.eval_batches(self.corpus.val, t.eval_batches, t.batch_size,
                                              t.seq_len, seed=t.seed)
+
+    def _cut_metrics(self):
+        """Drop records past the restored step: the rerun logs those steps again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines()
+        keep = [line for line in lines if _logged_step(line) <= self.step]
+        if len(keep) < len(lines):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)  # atomic: a kill now leaves the old file or the new one
 
     # -- pure functions ------------------------------------------------------------------
     def _model(self, params) -> Transformer:
@@ -108,6 +142,7 @@ class Trainer:
 
     def save(self):
         checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
+        self._saved = self.step
 
     def _log(self, record: dict):
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -115,13 +150,25 @@ class Trainer:
 
     def run(self, steps: int | None = None) -> dict:
         """Train until `steps` total steps (default cfg.train.steps); return a summary."""
+        self.lock.acquire()
+        try:
+            self.mngr.reload()
+            if self.mngr.latest_step() != self._saved:
+                raise RunDirLocked(
+                    f"{self.run_dir} has a checkpoint at step {self.mngr.latest_step()} that "
+                    f"another process saved after this Trainer's step {self._saved}; make a new "
+                    f"Trainer to resume from it")
+            return self._run(self.cfg.train.steps if steps is None else steps)
+        finally:
+            self.mngr.wait_until_finished()
+            self.lock.release()
+
+    def _run(self, target: int) -> dict:
         t = self.cfg.train
-        target = t.steps if steps is None else steps
         tokens_per_step = t.batch_size * t.seq_len
+        val = None
         bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
                    dynamic_ncols=True)
-        last_good = self.mngr.latest_step()
-        val = None
         t0, steps_timed = time.perf_counter(), 0
         while self.step < target:
             batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
@@ -130,8 +177,8 @@ class Trainer:
             loss = float(metrics["loss"])
             if not math.isfinite(loss):
                 self.mngr.wait_until_finished()
-                where = (f"the last good checkpoint is step {last_good} in "
-                         f"{self.run_dir / 'checkpoints'}" if last_good is not None
+                where = (f"the last good checkpoint is step {self._saved} in "
+                         f"{self.run_dir / 'checkpoints'}" if self._saved is not None
                          else "no checkpoint was saved yet")
                 raise NonFiniteLoss(f"training loss became {loss} at step {self.step + 1}; "
                                     f"{where}")
@@ -147,7 +194,6 @@ class Trainer:
                 self._log(record)
             if self.step % t.ckpt_every == 0 or self.step == target:
                 self.save()
-                last_good = self.step
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val else "-",
                             tok_s=f"{tok_s:,.0f}")
             bar.update(1)

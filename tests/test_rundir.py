@@ -1,0 +1,145 @@
+"""Run directories lose nothing that was saved: a damaged latest checkpoint falls back to the
+one before, a second writer is refused (a dead one's lock is taken over), and metrics.jsonl
+holds each step once after a resume. Kills go to real `scripts/train.py` processes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsattn import checkpoint, errors, train
+from tests.conftest import ROOT, preset
+
+TINY = ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.batch_size=2",
+        "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1")
+BASE = ("train.steps=6", "train.ckpt_every=3", "train.warmup_steps=2")  # the shared run
+LONG = ("train.steps=100000", "train.ckpt_every=3")  # runs until stopped
+
+
+def cfg(*overrides):
+    return preset("gqa", *TINY, *overrides)
+
+
+def start(run_dir, *overrides):
+    """scripts/train.py on the tiny config, in its own process."""
+    return subprocess.Popen(
+        [sys.executable, "scripts/train.py", "configs/tiny/gqa.yaml", *TINY, *overrides,
+         "--run-dir", str(run_dir), "--quiet"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def records(run_dir) -> list[dict]:
+    """metrics.jsonl's complete records, in file order."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # last: partial or ''
+    return [json.loads(line) for line in lines]
+
+
+def logged(run_dir) -> list[int]:
+    return [r["step"] for r in records(run_dir)]
+
+
+def wait_for_step(run_dir, step, proc, timeout=240):
+    t0 = time.monotonic()
+    while not (logged(run_dir) and logged(run_dir)[-1] >= step):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() - t0 < timeout, "training made no progress"
+        time.sleep(0.05)
+
+
+def saved_steps(run_dir) -> list[int]:
+    return checkpoint.manager(run_dir, 2).all_steps()
+
+
+def largest_file(directory):
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def params_of(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 6-step run: checkpoints at 3 and 6, metrics for steps 1-6."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    train.Trainer(cfg(*BASE), run_dir, quiet=True).run()
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+# ----------------------------------------------------------------- signals, lock, kill -9
+def test_second_writer_refused_dead_writers_lock_taken_over_metrics_cut_to_checkpoint(tmp_path):
+    p = start(tmp_path, *LONG)
+    wait_for_step(tmp_path, 7, p)
+    with pytest.raises(errors.RunDirLocked, match=f"pid {p.pid}"):
+        train.Trainer(cfg(*LONG), tmp_path, quiet=True)
+    assert p.poll() is None  # the writer runs on
+    p.kill()
+    p.wait()
+    before = logged(tmp_path)
+    assert before == list(range(1, before[-1] + 1))  # untouched by the refused Trainer
+    with pytest.warns(UserWarning, match=f"pid {p.pid}, which is no longer running"):
+        tr = train.Trainer(cfg(*LONG), tmp_path, quiet=True)
+    assert tr.step == saved_steps(tmp_path)[-1] and tr.step % 3 == 0
+    assert logged(tmp_path) == list(range(1, tr.step + 1))  # the steps the kill lost are cut
+    assert not list((tmp_path / "checkpoints").glob("*tmp*"))  # nor half-written saves
+
+
+# ----------------------------------------------------------------- damaged checkpoints
+def test_damaged_latest_checkpoint_falls_back_to_the_one_before(run_dir):
+    at_3 = params_of(checkpoint.load_params(run_dir, step=3)[0])
+    data_file = largest_file(run_dir / "checkpoints" / "6" / "params")
+    data_file.write_bytes(data_file.read_bytes()[:1000])  # truncated
+
+    with pytest.warns(UserWarning, match=r"skipping checkpoint step 6: it does not load \(\w+"):
+        model, _, step = checkpoint.load_params(run_dir)  # what scripts/generate.py calls
+    assert step == 3
+    for x, y in zip(at_3, params_of(model)):
+        np.testing.assert_array_equal(x, y)
+
+    with pytest.warns(UserWarning, match=r"moved the damaged step 6 to 6\.corrupt-"):
+        tr = train.Trainer(cfg(*BASE), run_dir, quiet=True)
+    assert tr.step == 3 and logged(run_dir) == [1, 2, 3]
+    assert len(list((run_dir / "checkpoints").glob("6.corrupt-*/params"))) == 1  # kept
+    tr.run()  # saves step 6 afresh and logs steps 4-6 once
+    assert saved_steps(run_dir) == [3, 6] and logged(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert checkpoint.load_params(run_dir)[2] == 6
+
+
+def test_no_checkpoint_that_loads_is_an_error_naming_each_step(run_dir):
+    (run_dir / "checkpoints" / "3" / "params" / "_METADATA").unlink()
+    f = largest_file(run_dir / "checkpoints" / "6" / "opt_state")
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.warns(UserWarning), \
+            pytest.raises(errors.CheckpointCorrupt, match=r"step 6: \w+.*; step 3: \w+"):
+        train.Trainer(cfg(*BASE), run_dir, quiet=True)
+    assert saved_steps(run_dir) == [3, 6] and logged(run_dir) == list(range(1, 7))  # untouched
+    assert checkpoint.load_params(run_dir)[2] == 6  # generation needs only step 6's params
+
+
+def test_checkpoint_tree_that_does_not_fit_the_config_names_path_and_shapes(run_dir):
+    (run_dir / "config.yaml").unlink()  # e.g. checkpoints copied without their config
+    # gqa: 2 K/V heads of 32 -> wk is [d_model, 64]; with 4 K/V heads it is [32, 128]
+    with pytest.raises(errors.CheckpointMismatch,
+                       match=r"params\.blocks\.0\.attn\.wk\.kernel has shape \(32, 64\) in the "
+                             r"checkpoint and \(32, 128\) in the model"):
+        train.Trainer(cfg(*BASE, "attention.n_kv_heads=4"), run_dir, quiet=True)
+    with pytest.raises(errors.CheckpointMismatch, match=r"params\.blocks\.0\.attn\.\w+"):
+        checkpoint.load_params(run_dir, cfg(*BASE, "attention.layers=mla"))
+    assert saved_steps(run_dir) == [3, 6]  # a mismatch is not damage: nothing set aside
+    assert train.Trainer(cfg(*BASE), run_dir, quiet=True).step == 6  # and the lock is free
