@@ -3,9 +3,9 @@ validation, metrics.jsonl, orbax checkpoints and exact resume.
 
 Batches are a pure function of (seed, step) (dsattn.data.batch_at), so a rerun of the same
 command resumes from the latest checkpoint and continues exactly as if never stopped. The run
-directory survives kill -9 (orbax commits a step by renaming its finished directory;
-metrics.jsonl is cut back to the restored step), a damaged latest checkpoint (the one before
-is used) and a second writer (refused by a lock).
+directory survives SIGINT/SIGTERM (the step reached is saved), kill -9 (orbax commits a step by
+renaming its finished directory; metrics.jsonl is cut back to the restored step), a damaged
+latest checkpoint (the one before is used) and a second writer (refused by a lock).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -148,9 +151,31 @@ class Trainer:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _catch_signals(self, caught: list) -> dict:
+        """SIGINT/SIGTERM append to `caught`; the loop stops after the step in flight. The
+        first one restores the default action, so a second exits at once (like kill -9, which
+        the run directory survives). Returns the previous handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may set handlers
+
+        def handler(signum, _frame):
+            caught.append(signum)
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_DFL)
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a "
+                        f"checkpoint; send it again to stop at once\n".encode())
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
     def run(self, steps: int | None = None) -> dict:
-        """Train until `steps` total steps (default cfg.train.steps); return a summary."""
+        """Train until `steps` total steps (default cfg.train.steps); return a summary.
+
+        On SIGINT or SIGTERM the step in flight finishes, a checkpoint is saved at it, and
+        `run` raises KeyboardInterrupt (SIGINT) or SystemExit(128 + 15) (SIGTERM).
+        """
         self.lock.acquire()
+        caught: list = []
+        previous = {}
         try:
             self.mngr.reload()
             if self.mngr.latest_step() != self._saved:
@@ -158,19 +183,23 @@ class Trainer:
                     f"{self.run_dir} has a checkpoint at step {self.mngr.latest_step()} that "
                     f"another process saved after this Trainer's step {self._saved}; make a new "
                     f"Trainer to resume from it")
-            return self._run(self.cfg.train.steps if steps is None else steps)
+            previous = self._catch_signals(caught)
+            return self._run(self.cfg.train.steps if steps is None else steps, caught)
         finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
             self.mngr.wait_until_finished()
             self.lock.release()
 
-    def _run(self, target: int) -> dict:
+    def _run(self, target: int, caught: list) -> dict:
         t = self.cfg.train
         tokens_per_step = t.batch_size * t.seq_len
         val = None
         bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
                    dynamic_ncols=True)
+        start = self.step
         t0, steps_timed = time.perf_counter(), 0
-        while self.step < target:
+        while self.step < target and not caught:
             batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
             self.params, self.opt_state, metrics = self._train_step(
                 self.params, self.opt_state, batch, jnp.int32(self.step))
@@ -198,6 +227,15 @@ class Trainer:
                             tok_s=f"{tok_s:,.0f}")
             bar.update(1)
         bar.close()
+        if caught:
+            if self.step > start and self._saved != self.step:
+                self.save()
+            self.mngr.wait_until_finished()
+            name = signal.Signals(caught[0]).name
+            print(f"{name}: saved a checkpoint at step {self.step} in "
+                  f"{self.run_dir / 'checkpoints'}; rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+            raise KeyboardInterrupt if caught[0] == signal.SIGINT else SystemExit(128 + caught[0])
         self.mngr.wait_until_finished()
         return {"step": self.step, "val_loss": val if val is not None else
                 self.validation_loss(), "run_dir": str(self.run_dir)}

@@ -1,10 +1,12 @@
-"""Run directories lose nothing that was saved: a damaged latest checkpoint falls back to the
-one before, a second writer is refused (a dead one's lock is taken over), and metrics.jsonl
-holds each step once after a resume. Kills go to real `scripts/train.py` processes."""
+"""Run directories lose nothing that was saved: SIGINT/SIGTERM save the step reached, a damaged
+latest checkpoint falls back to the one before, a second writer is refused (a dead one's lock
+is taken over), and metrics.jsonl holds each step once after a resume. Signals and kills go to
+real `scripts/train.py` processes."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +85,23 @@ def run_dir(trained, tmp_path):
 
 
 # ----------------------------------------------------------------- signals, lock, kill -9
+def test_sigint_saves_the_step_reached_and_a_rerun_resumes_there(tmp_path):
+    p = start(tmp_path, "train.steps=100000", "train.ckpt_every=100000")  # no periodic saves
+    wait_for_step(tmp_path, 4, p)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    reached = logged(tmp_path)[-1]
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert f"checkpoint at step {reached}" in err, err
+    assert saved_steps(tmp_path) == [reached]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = train.Trainer(cfg("train.steps=100000", "train.ckpt_every=100000"), tmp_path,
+                           quiet=True)
+    assert tr.step == reached and logged(tmp_path) == list(range(1, reached + 1))
+    assert not [w for w in caught if "lock" in str(w.message)]  # released on the way out
+
+
 def test_second_writer_refused_dead_writers_lock_taken_over_metrics_cut_to_checkpoint(tmp_path):
     p = start(tmp_path, *LONG)
     wait_for_step(tmp_path, 7, p)
