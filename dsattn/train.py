@@ -33,15 +33,20 @@ from dsattn.model import Transformer
 
 from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_schedule(cfg: Config) -> optax.Schedule:
     t = cfg.train
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=min(t.warmup_steps, t.steps),
         decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    t = cfg.train
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+        optax.adamw(make_schedule(cfg), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                    mask=decay_mask))
 
 
 def loss_fn(model: Transformer, batch: dict, step=None):
@@ -75,6 +80,11 @@ class Trainer:
     construction and `run`: a second writer gets RunDirLocked, and so does `run` if another
     process saved a checkpoint since this Trainer last did (make a new Trainer to resume).
     Resuming restores the newest checkpoint that loads and cuts metrics.jsonl back to its step.
+
+    metrics.jsonl gets a record every train.log_every steps and at each validation: the step's
+    metrics, its learning rate `lr`, `time` (Unix seconds) and `tokens_per_s`, the rate of the
+    steps since the previous record timed alone (the step is compiled ahead, so no compile
+    time; no validation or checkpoint time either).
     """
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False):
@@ -86,6 +96,7 @@ class Trainer:
             model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
             self.graphdef, state = nnx.split(model)
             self.params = nnx.to_pure_dict(state)
+            self.schedule = make_schedule(cfg)
             self.tx = make_optimizer(cfg)
             self.opt_state = self.tx.init(self.params)
             self.step = 0
@@ -101,6 +112,7 @@ class Trainer:
         finally:
             self.lock.release()  # until run(): an idle Trainer does not block the directory
         self._train_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+        self._compiled_step = None
         self._eval_step = jax.jit(self._eval_impl)
         t = cfg.train
         self.val_batches = data.eval_batches(self.corpus.val, t.eval_batches, t.batch_size,
@@ -130,6 +142,7 @@ class Trainer:
         (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["lr"] = self.schedule(step)  # the rate this update used (count == step)
         return optax.apply_updates(params, updates), opt_state, metrics
 
     def _eval_impl(self, params, batch):
@@ -195,15 +208,22 @@ class Trainer:
         t = self.cfg.train
         tokens_per_step = t.batch_size * t.seq_len
         val = None
+        if self._compiled_step is None:  # compiled ahead, so compile time is not step time
+            batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
+            self._compiled_step = self._train_step.lower(
+                self.params, self.opt_state, batch, jnp.int32(self.step)).compile()
         bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
                    dynamic_ncols=True)
         start = self.step
-        t0, steps_timed = time.perf_counter(), 0
+        step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
+            t0 = time.perf_counter()
             batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
-            self.params, self.opt_state, metrics = self._train_step(
+            self.params, self.opt_state, metrics = self._compiled_step(
                 self.params, self.opt_state, batch, jnp.int32(self.step))
-            loss = float(metrics["loss"])
+            loss = float(metrics["loss"])  # waits for the step
+            step_s += time.perf_counter() - t0
+            steps_timed += 1
             if not math.isfinite(loss):
                 self.mngr.wait_until_finished()
                 where = (f"the last good checkpoint is step {self._saved} in "
@@ -212,15 +232,15 @@ class Trainer:
                 raise NonFiniteLoss(f"training loss became {loss} at step {self.step + 1}; "
                                     f"{where}")
             self.step += 1
-            steps_timed += 1
-            tok_s = steps_timed * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+            tok_s = steps_timed * tokens_per_step / max(step_s, 1e-9)
             record = {"step": self.step, **{k: float(v) for k, v in metrics.items()},
-                      "tokens_per_s": tok_s}
+                      "tokens_per_s": tok_s, "time": time.time()}
             if self.step % t.eval_every == 0 or self.step == target:
                 val = self.validation_loss()
                 record["val_loss"] = val
             if self.step % t.log_every == 0 or "val_loss" in record:
                 self._log(record)
+                step_s, steps_timed = 0.0, 0
             if self.step % t.ckpt_every == 0 or self.step == target:
                 self.save()
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val else "-",

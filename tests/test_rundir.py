@@ -1,9 +1,10 @@
 """Run directories lose nothing that was saved: SIGINT/SIGTERM save the step reached, a damaged
 latest checkpoint falls back to the one before, a second writer is refused (a dead one's lock
-is taken over), and metrics.jsonl holds each step once after a resume. Signals and kills go to
-real `scripts/train.py` processes."""
+is taken over), and metrics.jsonl holds each step once after a resume, with its learning rate,
+time and compile-free throughput. Signals and kills go to real `scripts/train.py` processes."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -162,3 +163,22 @@ def test_checkpoint_tree_that_does_not_fit_the_config_names_path_and_shapes(run_
         checkpoint.load_params(run_dir, cfg(*BASE, "attention.layers=mla"))
     assert saved_steps(run_dir) == [3, 6]  # a mismatch is not damage: nothing set aside
     assert train.Trainer(cfg(*BASE), run_dir, quiet=True).step == 6  # and the lock is free
+
+
+# ----------------------------------------------------------------- schedule and records
+def test_records_carry_lr_and_time_and_throughput_without_compile(trained):
+    rows = records(trained)
+    lr, warmup, steps, floor = 3e-3, 2, 6, 0.1  # gqa's lr and min_lr_ratio, BASE's schedule
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:  # the update of step s uses the rate at optimizer count s - 1
+        s = r["step"] - 1
+        cos = 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+        want = lr * s / warmup if s < warmup else lr * (floor + (1 - floor) * cos)
+        assert r["lr"] == pytest.approx(want, rel=1e-5, abs=1e-12)
+    times = [r["time"] for r in rows]
+    assert times == sorted(times) and times[-1] <= time.time()
+    # log_every=1: each record's rate is its own step's. Steps 2-5 by the records' clock (no
+    # compile, no eval) vs the rates they report; with compile the first would be ~1000x off.
+    clock = 4 * 2 * 32 / (times[4] - times[0])
+    assert np.median([r["tokens_per_s"] for r in rows[1:5]]) > 0.3 * clock
+    assert rows[0]["tokens_per_s"] > 0.005 * clock, (rows[0]["tokens_per_s"], clock)
