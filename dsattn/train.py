@@ -10,6 +10,7 @@ latest checkpoint (the one before is used) and a second writer (refused by a loc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -32,6 +34,10 @@ from dsattn.model import Transformer
 
 
 from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
+
+# train.* keys that shape the learning-rate schedule.
+SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+
 
 def make_schedule(cfg: Config) -> optax.Schedule:
     t = cfg.train
@@ -81,6 +87,11 @@ class Trainer:
     process saved a checkpoint since this Trainer last did (make a new Trainer to resume).
     Resuming restores the newest checkpoint that loads and cuts metrics.jsonl back to its step.
 
+    Resuming with other schedule values (train.steps, warmup_steps, lr, min_lr_ratio) than the
+    run directory's config.yaml, e.g. extending a finished run, warns naming old and new values
+    and the learning rate's jump at the resume step: the schedule is rebuilt for the new
+    values, not kept.
+
     metrics.jsonl gets a record every train.log_every steps and at each validation: the step's
     metrics, its learning rate `lr`, `time` (Unix seconds) and `tokens_per_s`, the rate of the
     steps since the previous record timed alone (the step is compiled ahead, so no compile
@@ -92,6 +103,7 @@ class Trainer:
         self.lock = checkpoint.RunDirLock(self.run_dir)  # before anything is read or written
         try:
             checkpoint.check_compatible(self.run_dir, cfg)
+            saved = checkpoint.saved_config(self.run_dir)
             self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
             model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
             self.graphdef, state = nnx.split(model)
@@ -106,6 +118,7 @@ class Trainer:
             if step is not None:
                 self.params, self.opt_state = restored["params"], restored["opt_state"]
                 self.step = step
+                self._warn_if_schedule_changed(saved)
             self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
             self._cut_metrics()
             checkpoint.save_config(self.run_dir, cfg)
@@ -117,6 +130,21 @@ class Trainer:
         t = cfg.train
         self.val_batches = data.eval_batches(self.corpus.val, t.eval_batches, t.batch_size,
                                              t.seq_len, seed=t.seed)
+
+    def _warn_if_schedule_changed(self, saved: dict | None):
+        old = (saved or {}).get("train", {})
+        now = dataclasses.asdict(self.cfg.train)
+        changed = [k for k in SCHEDULE_KEYS if k in old and old[k] != now[k]]
+        if not changed:
+            return
+        before = make_schedule(dataclasses.replace(self.cfg, train=dataclasses.replace(
+            self.cfg.train, **{k: old[k] for k in changed})))
+        warnings.warn(
+            f"{self.run_dir}: resuming at step {self.step} with "
+            + ", ".join(f"train.{k} {old[k]} -> {now[k]}" for k in changed)
+            + f": the learning-rate schedule is rebuilt for the new values, so the rate at step "
+            f"{self.step} jumps from {float(before(self.step)):.3g} to "
+            f"{float(self.schedule(self.step)):.3g}", stacklevel=3)
 
     def _cut_metrics(self):
         """Drop records past the restored step: the rerun logs those steps again."""

@@ -1,7 +1,8 @@
 """Run directories lose nothing that was saved: SIGINT/SIGTERM save the step reached, a damaged
 latest checkpoint falls back to the one before, a second writer is refused (a dead one's lock
-is taken over), and metrics.jsonl holds each step once after a resume, with its learning rate,
-time and compile-free throughput. Signals and kills go to real `scripts/train.py` processes."""
+is taken over), metrics.jsonl holds each step once after a resume (with its learning rate,
+time and compile-free throughput), and a changed schedule is reported. Signals and kills go to
+real `scripts/train.py` processes."""
 
 import json
 import math
@@ -166,6 +167,18 @@ def test_checkpoint_tree_that_does_not_fit_the_config_names_path_and_shapes(run_
 
 
 # ----------------------------------------------------------------- schedule and records
+def test_extending_a_run_warns_that_the_schedule_is_reshaped(run_dir):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.Trainer(cfg(*BASE), run_dir, quiet=True)
+    assert not [w for w in caught if "schedule" in str(w.message)]
+    # lr 3e-3, min ratio 0.1: step 6 ends the old cosine at 3e-4; over 12 steps with 2 of
+    # warm-up, step 6 is 0.4 of the way: 3e-4 + 2.7e-3 * (1 + cos(0.4 pi)) / 2 = 2.07e-3
+    with pytest.warns(UserWarning, match=r"resuming at step 6 with train\.steps 6 -> 12: .*"
+                                         r"schedule.* from 0\.0003 to 0\.00207"):
+        train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
+
+
 def test_records_carry_lr_and_time_and_throughput_without_compile(trained):
     rows = records(trained)
     lr, warmup, steps, floor = 3e-3, 2, 6, 0.1  # gqa's lr and min_lr_ratio, BASE's schedule
