@@ -13,6 +13,7 @@ cache stays as it was; the compiled programs also refuse such rows themselves (s
 
 from __future__ import annotations
 
+import math
 import weakref
 from functools import partial
 from typing import Any, NamedTuple
@@ -271,14 +272,26 @@ def _sample(logits, key, temperature, top_p, greedy: bool):
     keep = jnp.zeros_like(keep_sorted).at[
         jnp.arange(probs.shape[0])[:, None], order].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    # One key per row, fold_in(key, row): a row's draw depends on the key, its index and its
+    # own logits only. (One [B, V] draw from a shared key depends on B under JAX's
+    # non-partitionable threefry.)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def _check_sampling(temperature, top_p) -> None:
+    # Written so that NaN fails too (a NaN temperature used to sample token 0 everywhere).
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"sampling: temperature must be a finite number >= 0 (0: greedy), "
+                         f"got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"sampling: top_p must be in (0, 1], got {top_p}")
 
 
 def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
-    """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"sampling: need temperature >= 0 and 0 < top_p <= 1, "
-                         f"got {temperature}, {top_p}")
+    """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling; row i
+    draws with jax.random.fold_in(key, i)."""
+    _check_sampling(temperature, top_p)
     return _sample(logits, key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
                    greedy=temperature == 0)
 
@@ -290,8 +303,20 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
 
     A row stops at `eos_id` (not included in its output) or once its output ends with one
     of the `stop` token sequences (included). `on_token(row, token)` is called as tokens
-    are produced. Returns one list of new tokens per prompt.
+    are produced. Returns one list of new tokens per prompt. Row i's step-s draw uses
+    fold_in(fold_in(PRNGKey(seed), s), i): it does not depend on the other rows.
+    Parameters are checked before any work.
     """
+    _check_sampling(temperature, top_p)
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an integer >= 0, "
+                         f"got {max_new_tokens!r}")
+    vocab = model.cfg.model.vocab_size
+    if eos_id is not None:
+        check_tokens([eos_id], vocab, "eos_id")
+    stop = [list(s) for s in stop]
+    for s in stop:
+        check_tokens(s, vocab, "stop")
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
@@ -312,10 +337,8 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
     key = jax.random.PRNGKey(seed)
     outputs: list[list[int]] = [[] for _ in range(b)]
     done = np.zeros(b, bool)
-    stop = [list(s) for s in stop]
     for step in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        nxt = sample(logits, sub, temperature, top_p)
+        nxt = sample(logits, jax.random.fold_in(key, step), temperature, top_p)
         host = np.asarray(jax.device_get(nxt))
         for i in range(b):
             if done[i]:

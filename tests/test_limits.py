@@ -97,14 +97,11 @@ def test_ragged_rows_and_the_compiled_check():
 def test_exhausted_page_pool_message_speaks_of_max_len():
     from dsattn.cache import paged
 
-    model = small("dsa")
-    cache = generate.init_cache(model, 2, MAX_LEN)
-    layer = model.blocks[0].attn
-    # one page for two rows that need one each
-    cache["layers"][0]["global"] = paged.empty(layer.fields, 2, MAX_LEN, 16, layer.dtype,
-                                               n_pages=1)
+    fields = {"entry": paged.Field("native", 8)}
+    cache = paged.empty(fields, 2, 8, 4, n_pages=1)  # one page for two rows
+    cache = paged.append(cache, fields, {"entry": np.ones((2, 3, 8), np.float32)}, [3, 3])
     with pytest.raises(CacheExhausted, match=r"init_cache\(\.\.\., max_len=\.\.\.\)") as e:
-        generate.prefill(model, np.ones((2, 4), int), [4, 4], cache)
+        paged.check(cache)
     assert "pool size" not in str(e.value)
 
 
@@ -161,5 +158,48 @@ def test_valid_limits_still_load():
     assert preset("v41", "attention.pool_block_size=3", "cache.page_size=7").attention
     assert preset("v41", "indexer.impl=pallas_tpu", "attention.pool_block_size=8")
     assert preset("mha", "train.seq_len=512", "train.warmup_steps=0", "train.weight_decay=0")
-    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml"))):
-        config.load(path)  # every shipped preset
+    for kind in ("tiny", "deepseek"):  # every shipped preset
+        for path in sorted(glob.glob(os.path.join(ROOT, "configs", kind, "*.yaml"))):
+            config.load(path)
+
+
+# ------------------------------------------------------------------------------ sampling
+def gen_model():
+    return tiny_model("mha", "model.n_layers=1")  # the model test_decode/test_errors use
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(eos_id=256), "eos_id"),
+    (dict(stop=[[3, -1]]), "stop"),
+])
+def test_generate_rejects_bad_sampling_parameters(kwargs, needle):
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=needle):
+        generate.generate(gen_model(), [[1, 2, 3]], **kwargs)
+    with pytest.raises(ValueError, match=needle):  # checked before the prompt is even read
+        generate.generate(gen_model(), [[999]], **kwargs)
+
+
+def test_a_rows_samples_depend_on_its_own_prompt_only():
+    """Each row draws from its own stream, (seed, row, step): the same prompt samples the same
+    tokens alone and as row 0 of a batch of 3, a row keeps its tokens when the other rows
+    change, and two rows holding one prompt still draw differently. Checked with JAX's
+    non-partitionable threefry, where one [batch, vocab] draw from a shared key depends on
+    the batch size: the guarantee must not rest on that global setting."""
+    kw = dict(temperature=1.0, top_p=0.95, seed=3)
+    p, q, r = [1, 2, 3], [4, 5], [9, 9, 9, 9, 9]
+    with jax.threefry_partitionable(False):
+        alone = generate.generate(gen_model(), [p], 8, **kw)[0]
+        a = generate.generate(gen_model(), [p, q, r], 8, **kw)
+        b = generate.generate(gen_model(), [[7], q, p], 8, **kw)
+    assert a[0] == alone
+    assert b[1] == a[1]
+    assert b[2] != a[0]  # same prompt, another row: another stream
+    assert len(alone) == 8 and len(set(alone)) > 1
