@@ -225,7 +225,9 @@ def _check_replay(cfg, replay):
 
 def check_cache(cache) -> None:
     """Raise CacheExhausted if a compiled step refused a row (it would have passed max_len)
-    or any layer's global page pool ran out (host sync)."""
+    or any layer's global page pool ran out (host sync). Either way the cache is consistent:
+    a refused row or append wrote nothing and kept its position/length, the other rows'
+    writes completed (a row refused for max_len also got NaN logits)."""
     over = np.nonzero(np.asarray(jax.device_get(cache["overflow"])))[0]
     if over.size:
         raise CacheExhausted(
