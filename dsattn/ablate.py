@@ -27,7 +27,6 @@ import csv
 import dataclasses
 import itertools
 import json
-import math
 import os
 import re
 import time
@@ -222,10 +221,17 @@ def _curve(run_dir: Path) -> list[list[float]]:
     return [[s, points[s]] for s in sorted(points)]
 
 
-def _last_tokens_per_s(run_dir: Path):
+def _tokens_per_s(run_dir: Path):
+    """Median training tokens/s over the run's metrics records (the Trainer times the steps
+    between records; compile, validation and checkpoint time are not in it)."""
+    rates = []
     path = run_dir / "metrics.jsonl"
-    recs = [json.loads(x) for x in path.read_text().splitlines()[-1:]] if path.exists() else []
-    return recs[-1].get("tokens_per_s") if recs else None
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            rates.append(float(json.loads(line)["tokens_per_s"]))
+        except (ValueError, KeyError, TypeError):  # a line cut by a kill
+            continue
+    return float(np.median(rates)) if rates else None
 
 
 def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False) -> dict:
@@ -235,17 +241,12 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
     from dsattn import bench
     from dsattn.train import Trainer
 
+    start = time.perf_counter()
     cfg = sweep.config(row, seed)
     trainer = Trainer(cfg, run_dir, quiet=quiet)
-    target, tokens_per_step = cfg.train.steps, cfg.train.batch_size * cfg.train.seq_len
-    val_loss, tok_s = None, None
-    if trainer.step < target:
-        trainer.run(trainer.step + 1)  # the first step compiles: keep it out of the timing
-        t0, s0 = time.perf_counter(), trainer.step
+    if trainer.step < cfg.train.steps:
         val_loss = trainer.run()["val_loss"]
-        if trainer.step > s0:
-            tok_s = (trainer.step - s0) * tokens_per_step / (time.perf_counter() - t0)
-    if val_loss is None or not math.isfinite(val_loss):
+    else:  # trained to the end before a kill took the measurements
         val_loss = trainer.validation_loss()
     model = trainer.model()
     acc = recall.accuracy(model, probes)
@@ -258,12 +259,13 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
         "row": row.name, "seed": seed, "overrides": list(row.overrides),
         "steps": trainer.step, "val_loss": val_loss, "curve": _curve(run_dir),
         "params": int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))),
-        "train_tokens_per_s": tok_s or _last_tokens_per_s(run_dir),
+        "train_tokens_per_s": _tokens_per_s(run_dir),
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,
         "full_overrides_applied": applied, "full_overrides_skipped": skipped,
+        "wall_s": time.perf_counter() - start,  # this session's share of the run, all in
     }
 
 
@@ -277,7 +279,8 @@ def _write_json(path: Path, obj) -> None:
 def flat(result: dict) -> dict:
     """One CSV row: scalars, recall accuracy per distance, kv figures (full_* at full size)."""
     out = {k: result.get(k) for k in ("row", "seed", "steps", "val_loss", "params",
-                                      "train_tokens_per_s", "decode_context", "decode_ms")}
+                                      "train_tokens_per_s", "decode_context", "decode_ms",
+                                      "wall_s")}
     out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
     out.update(result.get("kv") or {})
     out.update({f"full_{k}": v for k, v in (result.get("kv_full") or {}).items()})
