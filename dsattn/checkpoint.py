@@ -217,6 +217,9 @@ def load_params(run_dir, cfg=None, step: int | None = None):
     cfg = cfg or load_run_config(run_dir)
     check_compatible(run_dir, cfg)
     mngr = manager(run_dir, keep=1_000_000)
+    if step is not None and step not in mngr.all_steps():
+        raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; saved steps: "
+                                f"{', '.join(map(str, mngr.all_steps())) or 'none'}")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)

@@ -151,6 +151,8 @@ def test_no_checkpoint_that_loads_is_an_error_naming_each_step(run_dir):
         train.Trainer(cfg(*BASE), run_dir, quiet=True)
     assert saved_steps(run_dir) == [3, 6] and logged(run_dir) == list(range(1, 7))  # untouched
     assert checkpoint.load_params(run_dir)[2] == 6  # generation needs only step 6's params
+    with pytest.raises(FileNotFoundError, match="no checkpoint at step 5; saved steps: 3, 6"):
+        checkpoint.load_params(run_dir, step=5)  # absent, not damaged
 
 
 def test_checkpoint_tree_that_does_not_fit_the_config_names_path_and_shapes(run_dir):
