@@ -18,13 +18,15 @@ overrides that fail config validation raise ConfigError naming the row and key. 
 ``OUT/runs/<row>/seed<k>/`` (OUT defaults to runs/ablations/<name>); within a seed every row
 sees the same batches (batches are a function of (train.seed, step) and recall streams have
 their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
-its checkpoint. results.json / results.csv are rewritten after every run, plots at the end.
+its checkpoint; a finished run whose config or measurement settings changed since is refused
+(another --out). results.json / results.csv are rewritten after every run, plots at the end.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -96,6 +98,17 @@ def _grid_rows(grid) -> list[Row]:
     return rows
 
 
+def _find(name, sweep_file: Path) -> str:
+    """A preset path as written (from the working directory), else from the sweep file's
+    folder or one above it (configs/ablations/x.yaml names configs/tiny/...: the repo root)."""
+    if name is None or Path(name).exists():
+        return name
+    for folder in sweep_file.resolve().parents:
+        if (folder / name).exists():
+            return str(folder / name)
+    return name
+
+
 def load(path, overrides=(), out=None) -> Sweep:
     """Read and validate a sweep file; `overrides` are appended to its shared overrides."""
     path = Path(path)
@@ -107,6 +120,9 @@ def load(path, overrides=(), out=None) -> Sweep:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at top level")
+    for key in ("base", "full_size"):
+        if isinstance(raw.get(key), str):
+            raw[key] = _find(raw[key], path)
     try:
         return from_dict(raw, overrides, out, default_name=path.stem)
     except ConfigError as e:
@@ -158,18 +174,23 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
 
 def _validate(sweep: Sweep) -> Sweep:
     """Build every row's config (and its full-size twin) now, so no error waits for a run."""
+    for key in ("base", "full_size"):
+        if getattr(sweep, key) and not Path(getattr(sweep, key)).exists():
+            raise ConfigError(f"{key}: {getattr(sweep, key)!r} does not exist")
+    for key, value, least in (("per_distance", sweep.per_distance, 1),
+                              ("seq_len", sweep.probe_len, 0)):  # seq_len 0: train.seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"recall.{key}: expected an integer >= {least}, got {value!r}")
     cfgs = []
     for row in sweep.rows:
         try:
             cfg = sweep.config(row, sweep.seeds[0])
             if recall.is_recall(cfg.data.source):
                 recall.parse_source(cfg.data.source)
+            full_size_config(sweep, row)
         except ConfigError as e:
             raise ConfigError(f"row {row.name!r}: {e}") from None
         cfgs.append(cfg)
-    for key in ("base", "full_size"):
-        if getattr(sweep, key) and not Path(getattr(sweep, key)).exists():
-            raise ConfigError(f"{key}: {getattr(sweep, key)!r} does not exist")
     probe_len = sweep.probe_len or cfgs[0].train.seq_len
     dists = sweep.distances or tuple(d for d in (8, 16, 32, 64, 96, 128, 192, 256)
                                      if d <= probe_len - recall.PAIR_LEN)
@@ -270,6 +291,28 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
 
 
 # ----------------------------------------------------------------------------- the sweep
+def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
+    """What a finished run's numbers depend on: its config and the sweep's measurements."""
+    what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
+            "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
+            "decode_context": sweep.decode_context,
+            "full_size": sweep.full_size and Path(sweep.full_size).name}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_finished(sweep: Sweep) -> None:
+    """A finished run measured under other settings would be skipped with stale numbers
+    (e.g. a sweep rerun with train.steps=...): refuse before training anything."""
+    for row in sweep.rows:
+        for seed in sweep.seeds:
+            done = sweep.out / "runs" / row.name / f"seed{seed}" / "result.json"
+            if done.exists() and json.loads(done.read_text()).get(
+                    "fingerprint") != fingerprint(sweep, row, seed):
+                raise ConfigError(
+                    f"row {row.name!r} seed {seed}: {done.parent} finished with other settings "
+                    f"(config or measurements); give another --out or delete it")
+
+
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -306,6 +349,7 @@ def run(sweep, overrides=(), out=None, quiet: bool = False) -> list[dict]:
     """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results."""
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
+    _check_finished(sweep)
     sweep.out.mkdir(parents=True, exist_ok=True)
     resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
     (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -323,6 +367,7 @@ def run(sweep, overrides=(), out=None, quiet: bool = False) -> list[dict]:
         else:
             try:
                 result = run_one(sweep, row, seed, run_dir, probes, quiet=quiet)
+                result["fingerprint"] = fingerprint(sweep, row, seed)
                 _write_json(done, result)
             except DsattnError as e:  # e.g. a NaN loss: recorded, retried on the next rerun
                 result = {"row": row.name, "seed": seed, "error": str(e)}

@@ -44,6 +44,8 @@ def _write(tmp_path, **sweep):
     ({"rows": [{"name": "d", "overrides": ["data.source=recall:max=9"]}]},
      r"row 'd': data.source: recall parameter 'max' unknown"),
     ({"recall": {"distances": [500]}}, r"recall.distances: 500"),
+    ({"recall": {"per_distance": 0}}, r"recall.per_distance: expected an integer >= 1"),
+    ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
 ])
 def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
@@ -119,9 +121,14 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path):
     assert resumed[-2:] == [3, 4]  # trained on from step 2, not from scratch
     assert again[3]["steps"] == 4 and (last / "result.json").exists()
 
+    # Scaled up in the same directory: finished runs would be stale, so nothing starts.
+    with pytest.raises(ConfigError, match=r"row 'mha' seed 0: .* finished with other"):
+        ablate.run(path, ["train.steps=8"], out=out, quiet=True)
+    assert json.loads((out / "runs/mha/seed0/result.json").read_text())["steps"] == 4
+
     os.remove(out / "pareto.png")
-    text = ablate.report(out)
-    assert "mha" in text and "mqa" in text and (out / "pareto.png").exists()
+    ablate_script.main(["--report", str(out)])
+    assert (out / "pareto.png").exists() and "mqa" in ablate.report(out)
 
 
 @pytest.mark.parametrize("name", ["ratios", "topk_window", "v41_parts", "formats"])
