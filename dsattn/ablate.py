@@ -426,6 +426,8 @@ def plots(out, results: list[dict]) -> list[Path]:
     pts = []
     for name, rs in rows.items():
         x = rs[0]["kv"]["storage_bytes_per_token"]
+        if x <= 0:  # window-only stacks store nothing global: no place on a log axis
+            continue
         ys = np.array([r["val_loss"] for r in rs])
         pts.append((x, ys.mean()))
         ax.errorbar(x, ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
