@@ -523,29 +523,34 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_bytes: must be >= 0, got {d.max_bytes}")
 
 
-def _check_kernels(cfg: Config) -> None:
-    """What an explicitly chosen indexer kernel needs (dsattn/kernels), named by config key:
-    the pool's block maxima tile pages exactly, Triton tiles are powers of two and it loads
-    native/bf16 keys whole. (`auto` picks a kernel only on GPU/TPU, the XLA pass takes any.)"""
+def kernel_misfit(cfg: Config, impl: str) -> str | None:
+    """Why the indexer kernel `impl` cannot run this config (a message naming the key), or
+    None: the pool's block maxima tile pages exactly, Triton tiles are powers of two and it
+    loads native/bf16 keys whole. The XLA pass takes any config."""
     a, ix, c = cfg.attention, cfg.indexer, cfg.cache
-    if ix.impl not in ("pallas_tpu", "pallas_gpu"):
-        return
-    pow2 = lambda n: n > 0 and not n & (n - 1)
+    if impl not in ("pallas_tpu", "pallas_gpu"):
+        return None
+    pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
     if a.pool_blocks and "full" in a.layers:
         if c.page_size % a.pool_block_size:
-            raise ConfigError(
-                f"attention.pool_block_size: {a.pool_block_size} must divide cache.page_size="
-                f"{c.page_size} for indexer.impl={ix.impl}")
-        if ix.impl == "pallas_gpu" and not pow2(a.pool_block_size):
-            raise ConfigError(
-                f"attention.pool_block_size: {a.pool_block_size} must be a power of two for "
-                f"indexer.impl=pallas_gpu")
+            return (f"attention.pool_block_size: {a.pool_block_size} must divide "
+                    f"cache.page_size={c.page_size} for indexer.impl={impl}")
+        if impl == "pallas_gpu" and not pow2(a.pool_block_size):
+            return (f"attention.pool_block_size: {a.pool_block_size} must be a power of two "
+                    f"for indexer.impl=pallas_gpu")
     indexed = set(a.layers) & set(INDEXED_KINDS)
-    if (indexed and ix.impl == "pallas_gpu" and c.key_format in ("native", "bf16")
+    if (indexed and impl == "pallas_gpu" and c.key_format in ("native", "bf16")
             and (ix.head_dim < 16 or not pow2(ix.head_dim))):
-        raise ConfigError(
-            f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
-            f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
+        return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
+                f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
+    return None
+
+
+def _check_kernels(cfg: Config) -> None:
+    """An explicitly chosen kernel must fit (`auto` falls back to XLA where it does not)."""
+    misfit = kernel_misfit(cfg, cfg.indexer.impl)
+    if misfit:
+        raise ConfigError(misfit)
 
 
 def _check_sharing(cfg: Config) -> None:

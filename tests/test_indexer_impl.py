@@ -52,22 +52,28 @@ def test_pallas_interpret_decode_equals_xla(name, impl):
                                atol=2e-4, rtol=2e-4)
 
 
+def resolved(*overrides):
+    return indexer.resolve_impl(preset("v41", *overrides))
+
+
 def test_impl_resolution():
-    assert indexer.resolve_impl("auto", "native") == "xla"  # CPU: the reference path
-    assert indexer.resolve_impl("pallas_tpu", "bf16") == "pallas_tpu"
-    assert indexer.resolve_impl("pallas_tpu", "fp4_ue8m0") == "pallas_tpu"  # V4 key format
-    assert indexer.resolve_impl("pallas_gpu", "fp8_ue8m0") == "pallas_gpu"
+    assert resolved("indexer.impl=auto") == "xla"  # CPU: the reference path
+    assert resolved("indexer.impl=pallas_tpu", "cache.key_format=bf16") == "pallas_tpu"
+    assert resolved("indexer.impl=pallas_tpu", "cache.key_format=fp4_ue8m0") == "pallas_tpu"
+    assert resolved("indexer.impl=pallas_gpu", "cache.key_format=fp8_ue8m0") == "pallas_gpu"
     for impl in ("pallas_tpu", "pallas_gpu"):
         with pytest.raises(NotImplementedError, match=f"{impl}.*key_format='fp4_e4m3'"):
-            indexer.resolve_impl(impl, "fp4_e4m3")
+            resolved(f"indexer.impl={impl}", "cache.key_format=fp4_e4m3")
 
 
 @pytest.mark.parametrize("backend, expected", [("gpu", "pallas_gpu"), ("tpu", "pallas_tpu"),
                                                ("cpu", "xla")])
 def test_auto_picks_the_backends_kernel(monkeypatch, backend, expected):
     monkeypatch.setattr(indexer.jax, "default_backend", lambda: backend)
-    assert indexer.resolve_impl("auto", "fp8_fp32") == expected
-    assert indexer.resolve_impl("auto", "fp4_e4m3") == "xla"  # no kernel reads this format
+    assert resolved("cache.key_format=fp4_ue8m0") == expected
+    assert resolved("cache.key_format=fp4_e4m3") == "xla"  # no kernel reads this format
+    # a pool whose blocks do not tile the pages: the kernels cannot run it, XLA can
+    assert resolved("cache.page_size=7", "attention.pool_block_size=4") == "xla"
 
 
 def test_approx_topk_selects_the_exact_set_on_tie_free_scores():

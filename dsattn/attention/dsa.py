@@ -29,7 +29,7 @@ class DSA(MLA):
         self.warmup = ix.dense_warmup_steps
         self.key_rope = ix.rope_dim
         self.page_size = cfg.cache.page_size
-        self.impl = indexer.resolve_impl(ix.impl, cfg.cache.key_format)
+        self.impl = indexer.resolve_impl(cfg)
         self.interpret, self.topk = ix.interpret, ix.topk
         self.fake_quant = cfg.cache.fake_quant
         self.fields = FrozenDict({  # hashable: module attributes are static under jit

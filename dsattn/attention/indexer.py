@@ -119,15 +119,19 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
 
 
 # -- the score pass over the paged global cache, through the configured implementation -----
-def resolve_impl(impl: str, key_format: str) -> str:
-    """`auto`: the compiled kernel for the backend (pallas_gpu on GPU, pallas_tpu on TPU) when
-    it reads this key format, the XLA path otherwise (CPU). Raises for a kernel that cannot
-    read the configured key format."""
+def resolve_impl(cfg) -> str:
+    """The score pass `indexer.impl` runs as. `auto`: the compiled kernel for the backend
+    (pallas_gpu on GPU, pallas_tpu on TPU) when it reads this key format and fits the config
+    (config.kernel_misfit), the XLA path otherwise (CPU). Raises for an explicit kernel that
+    cannot read the configured key format."""
+    from dsattn.config import kernel_misfit
     from dsattn.kernels.indexer_score import KERNEL_FORMATS
 
+    impl, key_format = cfg.indexer.impl, cfg.cache.key_format
     if impl == "auto":
         kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend())
-        return kernel if kernel and key_format in KERNEL_FORMATS else "xla"
+        fits = kernel and key_format in KERNEL_FORMATS and not kernel_misfit(cfg, kernel)
+        return kernel if fits else "xla"
     if impl in ("pallas_tpu", "pallas_gpu") and key_format not in KERNEL_FORMATS:
         raise NotImplementedError(f"indexer.impl={impl}: the kernel reads keys stored as "
                                   f"{', '.join(KERNEL_FORMATS)}, not cache.key_format="

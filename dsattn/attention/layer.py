@@ -53,7 +53,7 @@ class V4Attention(nnx.Module):
         self.key_rope = ix.rope_dim
         self.pool_blocks, self.pool_block = a.pool_blocks, a.pool_block_size
         self.interpret, self.topk = ix.interpret, ix.topk
-        self.impl = indexer.resolve_impl(ix.impl, c.key_format) if self.kind in OWN_INDEXER else ""
+        self.impl = indexer.resolve_impl(cfg) if self.kind in OWN_INDEXER else ""
         # Under CED, decoder full layers compress the encoder's output.
         self.from_encoder = bool(a.ced_split) and layer >= a.ced_split and self.kind == "full"
         self.query = Query(cfg, rngs)
