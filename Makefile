@@ -20,6 +20,8 @@ $(PEER_STAMP): $(STAMP)
 
 install: $(STAMP)
 
+# Trains the tiny V4.1 preset for a few CPU minutes (runs/demo-v41; a rerun resumes), shows
+# its KV cache beside MHA and MLA, decodes a sample.
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 

@@ -1,56 +1,123 @@
 #!/usr/bin/env python
-"""The newcomer's demo (`make demo`): train the default tiny preset on the embedded corpus
-(the Python standard library's source, byte-level), save a checkpoint, compare validation
-loss with the corpus's unigram entropy, and decode a sample from a prompt.
+"""The newcomer's demo (`make demo`): train the tiny V4.1 preset on the embedded corpus (the
+Python standard library's source, byte-level), show its KV cache beside MHA and MLA of the
+same width and depth, and decode a sample from the checkpoint.
 
-`python scripts/demo.py [CONFIG] [key=value ...]`; rerunning resumes from runs/demo-<name>.
+    python scripts/demo.py [CONFIG] [KEY=VALUE ...] [--run-dir DIR] [--max-new N]
+
+The demo trains for a CPU budget (DEMO_BUDGET: a few minutes on 2 cores); KEY=VALUE
+overrides come after it, e.g. train.steps=600 for the preset's full schedule. Rerunning
+resumes from the run directory (default runs/demo-<config name>).
 """
 
+import math
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
+from dsattn import cli, config  # noqa: E402
 
-from dsattn import checkpoint, config, data, generate, train  # noqa: E402
-
-DEFAULT = "configs/tiny/mla.yaml"
+DEFAULT = ROOT / "configs" / "tiny" / "v41.yaml"
+# About 1.2 s a step at 16 x 128 tokens on a shared 2-core CPU: the whole demo takes about
+# 4 minutes there (more when other work loads the machine).
+DEMO_BUDGET = ("train.steps=150", "train.eval_every=75", "train.ckpt_every=75")
+BASELINES = ("mha", "mla")
+CONTEXTS = (1024, 65536)
 PROMPT = "def __init__(self"
 
 
+def cache_rows(cfg, contexts=CONTEXTS) -> list[dict]:
+    """kvbytes of MHA and MLA (the tiny presets at cfg's width, depth and dtype) and of cfg:
+    global bytes stored per token, the fixed local window, bytes read per decode step."""
+    from dsattn import kvbytes
+
+    same = [f"model.d_model={cfg.model.d_model}", f"model.n_layers={cfg.model.n_layers}",
+            f"model.dtype={cfg.model.dtype}"]
+    cfgs = [config.load(ROOT / "configs" / "tiny" / f"{name}.yaml", same) for name in BASELINES]
+    rows = []
+    for c in cfgs + [cfg]:
+        reps = [kvbytes.report(c, n) for n in contexts]
+        rows.append({"name": c.name, "bytes_per_token": reps[0]["storage_bytes_per_token"],
+                     "local_bytes": reps[0]["local_bytes"],
+                     "read_bytes": {n: r["read_bytes"] for n, r in zip(contexts, reps)}})
+    return rows
+
+
+def _size(n) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g} B"
+
+
+def print_cache_table(cfg, rows):
+    c = cfg.cache
+    print(f"\nKV cache (dsattn.kvbytes) at d_model {cfg.model.d_model}, {cfg.model.n_layers} "
+          f"layers; formats local/main/key {c.local_format}/{c.main_format}/{c.key_format} "
+          f"(native: {cfg.model.dtype})")
+    print(f"{'model':8}{'B/token':>10}{'window':>10}"
+          + "".join(f"{'read/step @' + format(n, ','):>19}" for n in CONTEXTS))
+    for r in rows:
+        print(f"{r['name']:8}{r['bytes_per_token']:>10,.0f}"
+              f"{_size(r['local_bytes']) if r['local_bytes'] else '-':>10}"
+              + "".join(f"{_size(r['read_bytes'][n]):>19}" for n in CONTEXTS))
+    mha, mine, n = rows[0], rows[-1], CONTEXTS[-1]
+    if mine["bytes_per_token"] and mine["read_bytes"][n]:
+        print(f"{mine['name']} stores 1/{mha['bytes_per_token'] / mine['bytes_per_token']:.1f} "
+              f"of MHA's bytes per token and reads 1/"
+              f"{mha['read_bytes'][n] / mine['read_bytes'][n]:.0f} of its bytes per step at "
+              f"{n:,} tokens")
+
+
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and not "=" in argv[0] else DEFAULT
-    cfg = config.load(path, argv)
-    run_dir = Path(f"runs/demo-{cfg.name}")
-    print(f"dsattn demo: training {path} ({cfg.model.n_layers} layers, "
-          f"{cfg.attention.layers[0]} attention, {cfg.train.steps} steps of "
-          f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens) on {jax.devices()[0].platform}")
+    ap = cli.parser(__doc__, overrides=True)
+    ap.add_argument("config", nargs="?", default=str(DEFAULT),
+                    help="YAML preset (default: configs/tiny/v41.yaml)")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help="run directory (default: runs/demo-<config name>)")
+    ap.add_argument("--max-new", type=cli.positive_int, default=160,
+                    help="sample length in tokens (default 160)")
+    args = cli.parse(ap, argv)
+    cfg = config.load(args.config, list(DEMO_BUDGET) + args.overrides)
+    run_dir = args.run_dir or Path(f"runs/demo-{cfg.name}")
+    # Imported once the config is known good: a typo fails without JAX's start-up.
+    from dsattn import checkpoint, data, generate, train
+
+    start = checkpoint.manager(run_dir, cfg.train.keep_checkpoints).latest_step() \
+        if (run_dir / "checkpoints").exists() else None
+    t = cfg.train
+    print(f"dsattn demo: {cfg.name} ({cfg.model.n_layers} layers: "
+          f"{', '.join(cfg.attention.layers)}), {t.steps} steps of {t.batch_size}x{t.seq_len} "
+          f"tokens in {run_dir}" + (f", resuming from step {start}" if start else ""))
     t0 = time.perf_counter()
     out = train.train(cfg, run_dir)
     wall = time.perf_counter() - t0
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
     h = data.unigram_entropy(corpus.val, cfg.model.vocab_size)
     print(f"\ncorpus: {corpus.description}")
-    print(f"training wall time: {wall:.0f} s; checkpoint saved in {run_dir}/checkpoints")
-    print(f"validation loss {out['val_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "
-          f"nats/byte (a model that ignores context)")
+    print(f"training: {wall:.0f} s in this run; checkpoint in {run_dir}/checkpoints")
+    print(f"validation loss {out['val_loss']:.3f} nats/byte ({out['val_loss'] / math.log(2):.2f} "
+          f"bits/byte) vs unigram entropy {h:.3f} nats/byte (a model that ignores context)")
+
+    print_cache_table(cfg, cache_rows(cfg))
 
     model, cfg, step = checkpoint.load_params(run_dir)
     prompt = data.encode(PROMPT).tolist()
-    n_new = 160
-    sampling = dict(temperature=0.7, top_p=0.95, seed=1)
-    generate.generate(model, [prompt], n_new, **sampling)  # compile prefill and decode once
+    # 0.9: a model this young loops on indentation at lower temperatures
+    sampling = dict(temperature=0.9, top_p=0.95, seed=1)
+    generate.generate(model, [prompt], args.max_new, **sampling)  # compile prefill and decode
     t1 = time.perf_counter()
-    toks = generate.generate(model, [prompt], n_new, **sampling)[0]
+    toks = generate.generate(model, [prompt], args.max_new, **sampling)[0]
     dt = time.perf_counter() - t1
-    print(f"\nsample (temperature 0.7, top-p 0.95) from checkpoint step {step}:\n")
+    print(f"\nsample (temperature 0.9, top-p 0.95) from checkpoint step {step}:\n")
     print(PROMPT + data.decode(toks))
     print(f"\ndecode: {len(toks)} tokens in {dt:.2f} s = {len(toks) / dt:.1f} tokens/s "
           f"(batch 1, after compile)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
