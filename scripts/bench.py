@@ -63,6 +63,8 @@ def log(msg: str):
 
 def run(args) -> dict:
     presets = [p for p in args.presets.split(",") if p]
+    # Every config first: a typo fails before minutes of measuring.
+    cfgs = {name: bench.bench_config(name, args.depth, *args.set) for name in presets}
     result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices()),
                           "cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "jax": jax.__version__},
@@ -71,7 +73,7 @@ def run(args) -> dict:
     bw = bench.copy_bandwidth(args.copy_mb << 20)
     result["copy_bandwidth_bytes_per_s"] = bw
     for name in presets:
-        cfg = bench.bench_config(name, args.depth, *args.set)
+        cfg = cfgs[name]
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         rec = {"n_layers": len(cfg.attention.layers), "layers": list(cfg.attention.layers),
                "param_bytes": bench.param_bytes(model), "decode": [], "prefill": [],
