@@ -24,6 +24,7 @@ import numpy as np
 
 from dsattn import recall
 from dsattn.config import DataConfig
+from dsattn.errors import InputError
 
 TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
 FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
@@ -49,7 +50,7 @@ def decode(tokens) -> str:
     """Inverse of `encode`; invalid UTF-8 (e.g. a sample cut mid-character) becomes U+FFFD."""
     arr = np.asarray(tokens).reshape(-1)
     if arr.size and (arr.min() < 0 or arr.max() > 255):
-        raise ValueError(f"decode: byte tokens must be in [0, 255], got {arr.min()}..{arr.max()}")
+        raise InputError(f"decode: byte tokens must be in [0, 255], got {arr.min()}..{arr.max()}")
     return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
@@ -79,7 +80,7 @@ def _budgets(max_bytes: int, val_fraction: float) -> tuple[int | None, int | Non
 def _tail_split_len(n: int, val_fraction: float, what: str) -> int:
     """Validation length of a contiguous tail split: round(n * val_fraction), in [1, n-1]."""
     if n < 2:
-        raise ValueError(f"{what}: {n} token(s) is too few to split into train and validation")
+        raise InputError(f"{what}: {n} token(s) is too few to split into train and validation")
     return min(max(1, round(n * val_fraction)), n - 1)
 
 
@@ -115,7 +116,7 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
     if tokens.size:
         top = int(tokens.max())
         if top >= vocab_size:
-            raise ValueError(
+            raise InputError(
                 f"{what}: max token {top} is out of range for model vocab_size {vocab_size}"
             )
 
@@ -167,7 +168,7 @@ def _stdlib_corpus(val_fraction: float, max_bytes: int):
     """Cached: tests and the trainer load it repeatedly; the arrays are read-only."""
     files = _stdlib_files()
     if not files:
-        raise ValueError(f"stdlib corpus: no .py files under {_stdlib_root()}")
+        raise InputError(f"stdlib corpus: no .py files under {_stdlib_root()}")
     return _split_byte_files(_stdlib_root(), files, val_fraction, max_bytes, "stdlib")
 
 
@@ -175,7 +176,7 @@ def _stdlib_corpus(val_fraction: float, max_bytes: int):
 def _match(source: str) -> list[Path]:
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        raise ValueError(f"data.source {source!r} is a directory; give a file or a glob "
+        raise InputError(f"data.source {source!r} is a directory; give a file or a glob "
                          f"such as {os.path.join(source, '*.txt')!r}")
     matches = sorted(p for p in _glob.glob(path, recursive=True) if os.path.isfile(p))
     if not matches:
@@ -190,7 +191,7 @@ def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
     for p in paths:
         size = p.stat().st_size
         if size % 2:
-            raise ValueError(f"{p}: {size} bytes is not a whole number of uint16 tokens")
+            raise InputError(f"{p}: {size} bytes is not a whole number of uint16 tokens")
         arr = np.memmap(p, dtype="<u2", mode="r") if size else np.zeros(0, np.uint16)
         _check_vocab(arr, vocab_size, str(p))
         arrays.append(arr)
@@ -200,7 +201,7 @@ def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
         tokens = tokens[: data_cfg.max_bytes // 2]
     name = str(paths[0]) if len(paths) == 1 else f"{len(paths)} token files"
     if not len(tokens):
-        raise ValueError(f"{name}: empty corpus (no tokens)")
+        raise InputError(f"{name}: empty corpus (no tokens)")
     n_val = _tail_split_len(len(tokens), data_cfg.val_fraction, name)
     train, val = tokens[:-n_val], tokens[-n_val:]
     for a in (train, val):
@@ -215,7 +216,7 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
         p = paths[0]
         data, _ = _read_joined([p], data_cfg.max_bytes or None)
         if not data:
-            raise ValueError(f"{p}: empty corpus (0 bytes)")
+            raise InputError(f"{p}: empty corpus (0 bytes)")
         n_val = _tail_split_len(len(data), data_cfg.val_fraction, str(p))
         desc = f"{p}: {_mb(len(data))}, last {n_val:,} bytes as validation"
         return _bytes_to_tokens(data[:-n_val]), _bytes_to_tokens(data[-n_val:]), desc
@@ -223,7 +224,7 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
     root = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
     rel = [p.resolve().relative_to(root).as_posix() for p in paths]
     if sum(p.stat().st_size for p in paths) == 0:
-        raise ValueError(f"{data_cfg.source!r}: empty corpus ({len(paths)} files, 0 bytes)")
+        raise InputError(f"{data_cfg.source!r}: empty corpus ({len(paths)} files, 0 bytes)")
     return _split_byte_files(root, rel, data_cfg.val_fraction, data_cfg.max_bytes,
                              repr(data_cfg.source))
 
@@ -240,7 +241,7 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
         paths = _match(data_cfg.source)
         is_tok = [p.suffix.lower() in TOKEN_SUFFIXES for p in paths]
         if any(is_tok) and not all(is_tok):
-            raise ValueError(f"data.source {data_cfg.source!r} mixes token files "
+            raise InputError(f"data.source {data_cfg.source!r} mixes token files "
                              f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
         if all(is_tok):
             train, val, desc = _load_token_files(paths, data_cfg, vocab_size)
@@ -248,7 +249,7 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
         train, val, desc = _load_text_files(paths, data_cfg)
         what = f"data.source {data_cfg.source!r}"
     if not len(train) or not len(val):
-        raise ValueError(f"{what}: empty corpus (train {len(train)}, val {len(val)} tokens)")
+        raise InputError(f"{what}: empty corpus (train {len(train)}, val {len(val)} tokens)")
     _check_vocab(train, vocab_size, what)
     _check_vocab(val, vocab_size, what)
     return Corpus(train, val, vocab_size, desc)
@@ -261,9 +262,9 @@ def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed:
     """
     n = len(tokens)
     if n < seq_len + 1:
-        raise ValueError(f"batch_at: {n} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+        raise InputError(f"batch_at: {n} tokens is shorter than seq_len + 1 = {seq_len + 1}")
     if seed < 0 or step < 0:
-        raise ValueError(f"batch_at: seed and step must be >= 0, got seed={seed}, step={step}")
+        raise InputError(f"batch_at: seed and step must be >= 0, got seed={seed}, step={step}")
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, n - seq_len, size=batch_size)  # last start is n - seq_len - 1
     window = np.asarray(tokens)[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
@@ -281,10 +282,10 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
     tokens = np.asarray(tokens).reshape(-1)
     if not tokens.size:
-        raise ValueError("unigram_entropy: no tokens")
+        raise InputError("unigram_entropy: no tokens")
     counts = np.bincount(tokens, minlength=vocab_size)
     if len(counts) > vocab_size:
-        raise ValueError(
+        raise InputError(
             f"unigram_entropy: max token {int(tokens.max())} >= vocab_size {vocab_size}"
         )
     p = counts[counts > 0] / tokens.size

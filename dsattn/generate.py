@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn.cache import paged
-from dsattn.errors import CacheExhausted
+from dsattn.errors import CacheExhausted, InputError
 from dsattn.model import Transformer, check_tokens
 
 MIN_BUCKET = 16
@@ -169,14 +169,14 @@ def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
     """
     replay = _check_replay(model.cfg, replay)
     if chunk < MIN_BUCKET or chunk & (chunk - 1):
-        raise ValueError(f"prefill: chunk must be a power of two >= {MIN_BUCKET}, got {chunk}")
+        raise InputError(f"prefill: chunk must be a power of two >= {MIN_BUCKET}, got {chunk}")
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
-        raise ValueError(f"tokens: expected [batch, time], got shape {tokens.shape}")
+        raise InputError(f"tokens: expected [batch, time], got shape {tokens.shape}")
     b, t = tokens.shape
     lengths = np.full((b,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if lengths.shape != (b,) or (lengths < 0).any() or (lengths > t).any():
-        raise ValueError(f"lengths: expected {b} values in [0, {t}], got {lengths.tolist()}")
+        raise InputError(f"lengths: expected {b} values in [0, {t}], got {lengths.tolist()}")
     for row in range(b):
         check_tokens(tokens[row, : lengths[row]], model.cfg.model.vocab_size,
                      f"tokens (row {row})")
@@ -209,15 +209,15 @@ def _check_replay(cfg, replay):
         return None
     a = cfg.attention
     if not a.ced_split:
-        raise ValueError("prefill(replay=...) needs a causal encoder-decoder config "
+        raise InputError("prefill(replay=...) needs a causal encoder-decoder config "
                          "(attention.ced_split > 0); this model has none")
     replay = a.window if replay is True else int(replay)
     if replay < 1:
-        raise ValueError(f"prefill: replay must be >= 1 positions, got {replay}")
+        raise InputError(f"prefill: replay must be >= 1 positions, got {replay}")
     bad = [(i, k) for i, k in enumerate(a.layers[a.ced_split:], a.ced_split)
            if k not in ("swa", "full", "reindex", "reuse")]
     if bad:
-        raise ValueError(f"prefill(replay=...): decoder layer {bad[0][0]} ({bad[0][1]}) would "
+        raise InputError(f"prefill(replay=...): decoder layer {bad[0][0]} ({bad[0][1]}) would "
                          f"miss global KV for skipped positions; only swa/full/reindex/reuse "
                          f"decoders can replay")
     return replay
@@ -284,10 +284,10 @@ def _sample(logits, key, temperature, top_p, greedy: bool):
 def _check_sampling(temperature, top_p) -> None:
     # Written so that NaN fails too (a NaN temperature used to sample token 0 everywhere).
     if not 0 <= temperature < math.inf:
-        raise ValueError(f"sampling: temperature must be a finite number >= 0 (0: greedy), "
+        raise InputError(f"sampling: temperature must be a finite number >= 0 (0: greedy), "
                          f"got {temperature}")
     if not 0 < top_p <= 1:
-        raise ValueError(f"sampling: top_p must be in (0, 1], got {top_p}")
+        raise InputError(f"sampling: top_p must be in (0, 1], got {top_p}")
 
 
 def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
@@ -311,7 +311,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
     """
     _check_sampling(temperature, top_p)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be an integer >= 0, "
+        raise InputError(f"generate: max_new_tokens must be an integer >= 0, "
                          f"got {max_new_tokens!r}")
     vocab = model.cfg.model.vocab_size
     if eos_id is not None:
@@ -321,13 +321,13 @@ def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: f
         check_tokens(s, vocab, "stop")
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token")
+        raise InputError("generate: every prompt needs at least one token")
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens
     # Default cache length: a power of two, so repeated calls share compiled programs.
     max_len = max_len or max(64, 1 << (need - 1).bit_length())
     if need > max_len:
-        raise ValueError(f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+        raise InputError(f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
                          f"exceeds max_len {max_len}")
     b = len(prompts)
     tokens = np.zeros((b, longest), np.int32)

@@ -13,6 +13,7 @@ from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
 from dsattn.config import Config
+from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
 
@@ -37,7 +38,7 @@ def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = arr[(arr < 0) | (arr >= vocab_size)].ravel()[0]
-        raise ValueError(f"{where}: token id {int(bad)} is outside the vocabulary "
+        raise InputError(f"{where}: token id {int(bad)} is outside the vocabulary "
                          f"[0, {vocab_size})")
 
 
