@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(PEER_STAMP)
-	$(BIN)/python -m pytest -q -x -n 2 --durations=15 tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

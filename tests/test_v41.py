@@ -11,11 +11,12 @@ from dsattn.attention import indexer
 from tests.conftest import forward, preset, tiny_model
 from tests.test_decode import check_decode_matches_forward
 
-VARIANTS = [(), ("attention.sharing=false",), ("attention.pool_blocks=0",),
+# The preset itself is covered by tests/test_properties.py (with more lengths and steps).
+VARIANTS = [("attention.sharing=false",), ("attention.pool_blocks=0",),
             ("attention.ced_split=0",)]
 
 
-@pytest.mark.parametrize("overrides", VARIANTS, ids=["v41", "no-sharing", "no-pool", "no-ced"])
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["no-sharing", "no-pool", "no-ced"])
 def test_prefill_decode_equals_forward(overrides):
     # top_k 8 < visible entries; pool 3 blocks x 4 < visible decoder entries; W = 16 wraps
     model = tiny_model("v41", *overrides)
