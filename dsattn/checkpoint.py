@@ -23,12 +23,10 @@ import orbax.checkpoint as ocp
 import yaml
 
 from dsattn import config as config_lib
+from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  # noqa: F401 (re-exported)
 
 # Sections that define the weights' shapes and meaning; `train`/`data` may change on resume.
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
-
-
-from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  # noqa: F401, E402
 
 
 class RunDirLock:

@@ -30,10 +30,9 @@ from tqdm import tqdm
 
 from dsattn import checkpoint, data
 from dsattn.config import Config
+from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
 
-
-from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 
 # train.* keys that shape the learning-rate schedule.
 SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")

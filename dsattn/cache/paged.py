@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsattn.cache import formats
+from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
 class Field(NamedTuple):
@@ -52,9 +53,6 @@ class Field(NamedTuple):
     fmt: str
     width: int
     rope: int = 0
-
-
-from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
