@@ -112,7 +112,11 @@ def test_sampling_top_p_keeps_only_the_nucleus():
 
 # v41 with replay: the encoder's chunks run exactly, the decoder's replay spans a chunk
 # boundary. (Chunks continuing a cache exactly: test_v4.py's chunked prefill.)
-@pytest.mark.parametrize("name, overrides, replay", [("v41", (), 20)])
+SMALL_V41 = ("model.n_layers=4", "attention.layers=swa, full, full, reuse",
+             "attention.ratios=0, 2, 1, 1", "attention.ced_split=2")  # encoder | decoder
+
+
+@pytest.mark.parametrize("name, overrides, replay", [("v41", SMALL_V41, 20)])
 def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
     """A prompt longer than `chunk` runs chunk by chunk (ragged rows end in different chunks,
     replay spans a chunk boundary): the same logits, and decoding on from either cache gives
