@@ -17,11 +17,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from dsattn import data
 from dsattn.errors import InputError
+from dsattn.train import token_nll
 
 
 def is_byte_level(source: str) -> bool:
@@ -30,9 +30,7 @@ def is_byte_level(source: str) -> bool:
 
 
 def _sum_nll(graphdef, state, inputs, targets):
-    logits = nnx.merge(graphdef, nnx.State(state))(inputs)
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+    return token_nll(nnx.merge(graphdef, nnx.State(state))(inputs), targets).sum()
 
 
 _sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)

@@ -54,11 +54,16 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                     mask=decay_mask))
 
 
+def token_nll(logits, targets):
+    """Next-token cross-entropy per position (nats), computed in at least float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), targets)
+
+
 def loss_fn(model: Transformer, batch: dict, step=None):
     """Mean next-token cross-entropy plus any auxiliary losses the layers report."""
     logits, auxes = model.forward(batch["inputs"], step)
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), batch["targets"]).mean()
+    ce = token_nll(logits, batch["targets"]).mean()
     metrics = {"ce": ce}
     total = ce
     for name in sorted({k for aux in auxes for k in aux}):
