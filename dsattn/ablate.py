@@ -259,7 +259,7 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
     """Train (or resume) one run and measure it."""
     import jax
 
-    from dsattn import bench
+    from dsattn.bench import measures as bench
     from dsattn.train import Trainer
 
     start = time.perf_counter()

@@ -188,6 +188,15 @@ class Trainer:
         losses = [float(self._eval_step(self.params, b)["ce"]) for b in self.val_batches]
         return float(np.mean(losses))
 
+    def train_step(self, batch: dict, step: int) -> dict:
+        """One optimizer step on `batch` ({"inputs", "targets"}) at schedule step `step`:
+        updates `params` and `opt_state` (the old arrays are donated) and returns the step's
+        metrics, not waited on. No logging, checkpoint or `self.step` change: `run` is the
+        training loop; this is for callers that time or drive single steps (dsattn.bench)."""
+        self.params, self.opt_state, metrics = self._train_step(
+            self.params, self.opt_state, batch, jnp.int32(step))
+        return metrics
+
     def save(self):
         checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
         self._saved = self.step

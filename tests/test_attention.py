@@ -8,7 +8,7 @@ from dsattn.attention.common import causal_mask, masked_softmax
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
 from dsattn.nn.rope import apply_rope, apply_rope_last
-from tests.conftest import preset
+from tests.helpers import preset
 
 
 def _x(b=2, t=7, d=128, seed=0):

@@ -1,5 +1,6 @@
-"""The benchmark script runs end to end at toy sizes (so it cannot rot), and its synthetic
-decode contexts hold what a real prefill leaves. Timings are never asserted."""
+"""The benchmark runs end to end at toy sizes (so it cannot rot), and its synthetic decode
+contexts hold what a real prefill leaves. Timings are never asserted; the checks read the
+result records (bench.json), not the printed tables."""
 
 import json
 import os
@@ -8,24 +9,24 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsattn import bench, generate
+from dsattn import generate
+from dsattn.bench import measures, report
 from dsattn.model import Transformer
-from scripts import bench as bench_script
-
+from tests.helpers import TINY_CONFIGS, run_script
 
 # A 4-layer V4.1 stack (encoder swa, full m=2 | decoder full m=1, reuse): compiles fast.
-SMALL_V41 = ["--set", "model.n_layers=4", "--set", "attention.layers=swa, full, full, reuse",
-             "--set", "attention.ratios=0, 2, 1, 1", "--set", "attention.ced_split=2"]
+SMALL_V41 = ("model.n_layers=4", "attention.layers=swa, full, full, reuse",
+             "attention.ratios=0, 2, 1, 1", "attention.ced_split=2")
 
 
 def test_synthetic_context_matches_real_prefill_structure():
     """Lengths, positions, ring slots, page tables and free stacks equal a real prefill's."""
-    cfg = bench.bench_config("v41", None, *SMALL_V41[1::2])
+    cfg = measures.bench_config("v41", None, *SMALL_V41, config_dir=TINY_CONFIGS)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     n, rows = 48, 2
     toks = np.random.RandomState(0).randint(0, 256, (rows, n))
     real = generate.prefill(model, toks, [n] * rows, generate.init_cache(model, rows, 80))[1]
-    syn = bench.synthetic_context(model, generate.init_cache(model, rows, 80), n)
+    syn = measures.synthetic_context(model, generate.init_cache(model, rows, 80), n)
     checked = 0
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(real)[0], jax.tree.leaves(syn)):
         name = jax.tree_util.keystr(path)
@@ -37,21 +38,32 @@ def test_synthetic_context_matches_real_prefill_structure():
 
 
 def test_bench_script_smoke(tmp_path):
+    """scripts/bench.py as a user runs it, from another directory (the presets are found
+    beside the script): bench.json holds every measure, and the plots are drawn."""
     out = tmp_path / "bench"
-    result = bench_script.main([
-        "--presets", "v41", *SMALL_V41, "--contexts", "64", "--batches", "1", "--steps", "2",
-        "--warmup", "1", "--prefill", "64", "--chunk", "32", "--train-seq", "32",
-        "--train-batch", "1", "--train-steps", "1", "--copy-mb", "8", "--out", str(out)])
-    saved = json.loads((out / "bench.json").read_text())
-    (d,) = saved["presets"]["v41"]["decode"]
+    p = run_script("bench", "--presets", "v41", *[a for o in SMALL_V41 for a in ("--set", o)],
+                   "--contexts", "64", "--batches", "1", "--steps", "2", "--warmup", "1",
+                   "--prefill", "64", "--chunk", "32", "--train-seq", "32", "--train-batch", "1",
+                   "--train-steps", "1", "--copy-mb", "8", "--out", out, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr.decode()
+    result = json.loads((out / "bench.json").read_text())
+    assert result["args"]["presets"] == ["v41"] and result["args"]["contexts"] == [64]
+    rec = result["presets"]["v41"]
+    assert rec["n_layers"] == 4 and rec["param_bytes"] > 0
+    (d,) = rec["decode"]
+    assert (d["context"], d["batch"]) == (64, 1)
     assert d["step_ms"] > 0 and d["compilations"] == 1
-    cfg = bench.bench_config("v41", None, *SMALL_V41[1::2])
-    assert d["read_bytes"] == bench.decode_bytes(cfg, 64, 1)
-    exact, replay = saved["presets"]["v41"]["prefill"]
+    cfg = measures.bench_config("v41", None, *SMALL_V41, config_dir=TINY_CONFIGS)
+    assert d["read_bytes"] == measures.decode_bytes(cfg, 64, 1)
+    assert d["roofline_fraction"] == d["read_bytes_per_s"] / result["copy_bandwidth_bytes_per_s"]
+    exact, replay = rec["prefill"]
     assert replay["replay"] == 16 and exact["replay"] is None
     # Replay ran the decoder over R = 16 of the 64 positions: 2 * 64 + 2 * 16 evaluations.
     assert (exact["evaluations"], replay["evaluations"]) == (256, 160)
-    assert saved["presets"]["v41"]["train"]["tokens_per_s"] > 0
+    assert rec["train"]["tokens_per_s"] > 0 and result["peer"] is None
+    # The targets are checked from the records; the ones this run measured are decided.
+    assert result["targets"] == report.check_targets(result)
     assert len(result["targets"]) >= 6
+    assert all((t["met"] is None) == (t["value"] is None) for t in result["targets"])
     for png in ("decode.png", "prefill.png", "roofline.png"):
         assert os.path.getsize(out / png) > 1000

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsattn import config, generate, kvbytes
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 FORMATTED = ["cache.local_format=fp8_ue8m0", "cache.main_format=fp4_e4m3",
              "cache.key_format=fp4_ue8m0"]

@@ -7,50 +7,16 @@ import numpy as np
 import pytest
 
 from dsattn import generate
-from tests.conftest import forward, tiny_model
+from tests.helpers import (check_decode_matches_forward, check_two_chunk_prefill, forward,
+                           tiny_model)
 
 BASELINES = ["mha", "gqa", "mqa", "mla"]
-
-
-def check_decode_matches_forward(model, lengths, n_decode, max_len, seed=0, atol=1e-9):
-    """Prefill rows of different lengths, then decode the true next tokens one by one."""
-    b = len(lengths)
-    total = max(lengths) + n_decode
-    vocab = model.cfg.model.vocab_size
-    toks = np.random.RandomState(seed).randint(0, vocab, (b, total))
-    full = np.asarray(forward(model, toks))
-    lengths = np.asarray(lengths)
-    cache = generate.init_cache(model, b, max_len)
-    logits, cache = generate.prefill(model, toks[:, : lengths.max()], lengths, cache)
-    got = [np.asarray(logits)]
-    want = [full[np.arange(b), lengths - 1]]
-    for s in range(n_decode):
-        logits, cache = generate.decode_step(model, toks[np.arange(b), lengths + s], cache)
-        got.append(np.asarray(logits))
-        want.append(full[np.arange(b), lengths + s])
-    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=atol, rtol=1e-7)
-    np.testing.assert_array_equal(np.asarray(cache["pos"]), lengths + n_decode)
-    return cache
 
 
 @pytest.mark.parametrize("name", BASELINES)
 def test_prefill_decode_equals_forward(name):
     model = tiny_model(name, "model.n_layers=2")
     check_decode_matches_forward(model, lengths=[3, 17, 9], n_decode=6, max_len=32)
-
-
-def check_two_chunk_prefill(model, first, second: int, max_len: int, seed: int = 1):
-    """Prefill rows of lengths `first`, then `second` more tokens per row in one chunk (each
-    row continuing at its own position); the last logits must equal the forward's."""
-    first = np.asarray(first)
-    toks = np.random.RandomState(seed).randint(0, 256, (len(first), first.max() + second))
-    full = np.asarray(forward(model, toks))
-    cache = generate.init_cache(model, len(first), max_len)
-    _, cache = generate.prefill(model, toks[:, : first.max()], first, cache)
-    chunk = np.stack([row[n: n + second] for row, n in zip(toks, first)])
-    logits, cache = generate.prefill(model, chunk, [second] * len(first), cache)
-    want = full[np.arange(len(first)), first + second - 1]
-    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-9)
 
 
 def test_chunked_prefill_equals_one_prefill():

@@ -5,7 +5,7 @@ import pytest
 
 from dsattn import config, data, generate
 from dsattn.errors import CacheExhausted
-from tests.conftest import preset, tiny_model
+from tests.helpers import preset, tiny_model
 
 
 def test_prompt_longer_than_cache():

@@ -12,7 +12,7 @@ from flax import nnx
 from dsattn import generate
 from dsattn.attention import indexer
 from dsattn.model import Transformer
-from tests.conftest import preset
+from tests.helpers import preset
 
 
 def decode_logits(cfg, toks, lengths, n_decode):

@@ -11,7 +11,7 @@ import pytest
 
 from dsattn import config, generate
 from dsattn.errors import CacheExhausted
-from tests.conftest import ROOT, forward, preset, tiny_model
+from tests.helpers import ROOT, forward, preset, tiny_model
 
 MAX_LEN = 16
 

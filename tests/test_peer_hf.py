@@ -1,4 +1,4 @@
-"""The Hugging Face DeepseekV4 peer (dsattn.peer_hf): our use of its cache reproduces its own
+"""The Hugging Face DeepseekV4 peer (dsattn.bench.peer_hf): our use of its cache reproduces its own
 full forward, and the timers return sane numbers.
 
 Skipped, with the reason, only when the optional `peer` extra (torch + transformers with
@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from dsattn import peer_hf
-from tests.conftest import preset
+from dsattn.bench import peer_hf
+from tests.helpers import preset
 
 WHY = peer_hf.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"peer extra not installed: {WHY}")

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from dsattn import generate
 from dsattn.model import Transformer
-from tests.conftest import forward, preset
+from tests.helpers import forward, preset
 
 BROAD = int(os.environ.get("DSATTN_FUZZ_EXAMPLES", "0"))
 ROWS = 3

@@ -9,7 +9,7 @@ from dsattn import data, recall
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError
 from dsattn.model import Transformer
-from tests.conftest import preset
+from tests.helpers import preset
 
 SPEC = recall.RecallSpec(min_dist=10, max_dist=40, density=0.3, length=20_000)
 

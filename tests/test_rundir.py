@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from dsattn import checkpoint, errors, train
-from tests.conftest import ROOT, preset
+from tests.helpers import ROOT, preset
 
 TINY = ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.batch_size=2",
         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1")

@@ -12,7 +12,7 @@ import pytest
 
 from dsattn import checkpoint, cli, config, data, kvbytes
 from dsattn.errors import ConfigError
-from tests.conftest import forward
+from tests.helpers import forward
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64", "attention.n_heads=2",

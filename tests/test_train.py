@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsattn import checkpoint, train
-from tests.conftest import preset
+from tests.helpers import preset
 
 SMALL = ("model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=2",
          "train.log_every=1")

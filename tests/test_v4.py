@@ -10,8 +10,8 @@ import pytest
 
 from dsattn import train
 from dsattn.attention import core, indexer
-from tests.conftest import forward, preset, tiny_model
-from tests.test_decode import check_decode_matches_forward, check_two_chunk_prefill
+from tests.helpers import (check_decode_matches_forward, check_two_chunk_prefill, forward, preset,
+                           tiny_model)
 
 
 @pytest.mark.parametrize("name", ["dsa", "v4"])

@@ -8,8 +8,7 @@ import pytest
 
 from dsattn import generate, train
 from dsattn.attention import indexer
-from tests.conftest import forward, preset, tiny_model
-from tests.test_decode import check_decode_matches_forward
+from tests.helpers import check_decode_matches_forward, forward, preset, tiny_model
 
 # The preset itself is covered by tests/test_properties.py (with more lengths and steps).
 VARIANTS = [("attention.sharing=false",), ("attention.pool_blocks=0",),

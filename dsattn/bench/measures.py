@@ -1,4 +1,4 @@
-"""Benchmarks behind scripts/bench.py: decode step time against context, prefill time and
+"""Measures behind scripts/bench.py: decode step time against context, prefill time and
 peak memory, training throughput, and each decode step's bytes (kvbytes) against a copy
 bandwidth measured in the same run (a roofline).
 
@@ -28,12 +28,14 @@ from dsattn.cache import paged
 from dsattn.model import Transformer
 
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
-_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny")
 
 
-def bench_config(name: str, depth: int | None, *overrides: str):
+def bench_config(name: str, depth: int | None, *overrides: str, config_dir):
     """A tiny preset in float32 at a common depth (single-kind presets repeat their layer;
-    v4 keeps its two SWA layers and alternates CSA/HCA; v41 keeps its preset stack)."""
+    v4 keeps its two SWA layers and alternates CSA/HCA; v41 keeps its preset stack).
+
+    ``config_dir`` is the directory holding ``<name>.yaml`` (the caller's ``configs/tiny``:
+    the presets are not part of the installed package)."""
     extra = ["model.dtype=float32", "model.max_seq_len=1048576"]
     if depth is not None and name in ("mha", "mla", "dsa", "gqa", "mqa"):
         extra.append(f"model.n_layers={depth}")
@@ -41,7 +43,8 @@ def bench_config(name: str, depth: int | None, *overrides: str):
         if depth < 4 or depth % 2:
             raise ValueError(f"bench: v4 depth must be even and >= 4, got {depth}")
         extra += [f"model.n_layers={depth}", f"attention.layers=swa*2, (csa, hca)*{(depth - 2) // 2}"]
-    cfg = config_lib.load(os.path.join(_CONFIG_DIR, f"{name}.yaml"), [*extra, *overrides])
+    cfg = config_lib.load(os.path.join(os.fspath(config_dir), f"{name}.yaml"),
+                          [*extra, *overrides])
     return cfg
 
 
@@ -187,15 +190,14 @@ def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
         batches = [{k: jnp.asarray(v) for k, v in
                     data.batch_at(tr.corpus.train, s, batch, seq_len, cfg.train.seed).items()}
                    for s in range(steps + 1)]
-        params, opt = tr.params, tr.opt_state
         t0 = time.perf_counter()
-        params, opt, m = tr._train_step(params, opt, batches[0], jnp.int32(0))
+        m = tr.train_step(batches[0], 0)
         jax.block_until_ready(m)
         first = time.perf_counter() - t0
         times = []
         for s in range(1, steps + 1):
             t0 = time.perf_counter()
-            params, opt, m = tr._train_step(params, opt, batches[s], jnp.int32(s))
+            m = tr.train_step(batches[s], s)
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
     step = float(np.median(times))
