@@ -22,28 +22,11 @@ from pathlib import Path
 import yaml
 
 
+from dsattn import plan
+from dsattn.cache import formats
 from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
+from dsattn.plan import Family
 
-
-# Layer kinds. full/reindex/reuse are V4.1's CSA2 layers in their three sharing modes.
-BASELINE_KINDS = ("mha", "mla", "dsa")
-V4_KINDS = ("swa", "hca", "csa", "full", "reindex", "reuse")
-LAYER_KINDS = BASELINE_KINDS + V4_KINDS
-KIND_ALIASES = {"gqa": "mha", "mqa": "mha", "csa2": "full"}
-COMPRESSED_KINDS = ("hca", "csa", "full", "reindex", "reuse")
-INDEXED_KINDS = ("dsa", "csa", "full", "reindex")  # kinds that run their own indexer query
-
-# Cache formats (see dsattn/cache/formats.py for the byte layouts).
-CACHE_FORMATS = (
-    "native",  # the model's compute dtype, no rounding (tests, float64)
-    "bf16",
-    "fp8_ds_mla",  # V3.2 main: FP8 nope + FP32 scale per 128 + BF16 rope (656 B at 512+64)
-    "fp8_fp32",  # V3.2 search key: FP8 + one FP32 scale per 128 (132 B at 128)
-    "fp8_ue8m0_rope_bf16",  # V4 main: FP8 nope + UE8M0 per 64 + BF16 rope + pad (584 B)
-    "fp8_ue8m0",  # V4.1 local: FP8 all dims + UE8M0 per 32 (528 B at 512)
-    "fp4_ue8m0",  # MXFP4 search key: E2M1 + UE8M0 per 32 (68 B at 128)
-    "fp4_e4m3",  # V4.1 main: E2M1 + E4M3 scale per 16 (288 B at 512)
-)
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 INDEXER_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 INDEXER_TOPK = ("exact", "approx")  # lax.top_k | lax.approx_max_k (recall 1.0; for TPU)
@@ -154,17 +137,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
-    # Derived views used across the library.
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        return self.attention.layers
-
-    def kind(self, layer: int) -> str:
-        return self.attention.layers[layer]
-
-    def layer_ratio(self, layer: int) -> int:
-        return self.attention.ratios[layer]
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -178,7 +150,6 @@ class Config:
         return yaml.safe_dump(d, sort_keys=False)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "name"}
 _SECTION_CLASSES = {
     "model": ModelConfig,
     "attention": AttentionConfig,
@@ -350,50 +321,10 @@ def loads(text: str, overrides=()) -> Config:
 
 # ----------------------------------------------------------------------------- resolution
 def _resolve(cfg: Config) -> Config:
-    """Expand per-layer lists to n_layers entries and compute per-layer ratios."""
-    a, n = cfg.attention, cfg.model.n_layers
-    if n < 1:
-        raise ConfigError(f"model.n_layers: must be >= 1, got {n}")
-    kinds = [KIND_ALIASES.get(k, k) for k in a.layers]
-    for k in kinds:
-        if k not in LAYER_KINDS:
-            raise ConfigError(
-                f"attention.layers: unknown layer kind {k!r}; allowed: "
-                f"{', '.join(LAYER_KINDS + tuple(KIND_ALIASES))}"
-            )
-    if len(kinds) == 1:
-        kinds = kinds * n
-    if len(kinds) != n:
-        raise ConfigError(
-            f"attention.layers: {len(kinds)} layer kinds for model.n_layers={n}"
-        )
-    if not a.sharing:
-        kinds = ["full" if k in ("reindex", "reuse") else k for k in kinds]
-
-    default = {"hca": a.hca_ratio, "csa": a.csa_ratio}
-    for k in ("full", "reindex", "reuse"):
-        default[k] = a.csa2_ratio
-    if a.ratio < 0:
-        raise ConfigError(f"attention.ratio: must be >= 0 (0: per-kind ratios), got {a.ratio}")
-    if a.ratios:
-        ratios = list(a.ratios)
-        if len(ratios) == 1:
-            ratios = ratios * n
-        if len(ratios) != n:
-            raise ConfigError(f"attention.ratios: {len(ratios)} ratios for {n} layers")
-    else:
-        ratios = [default.get(k, 0) for k in kinds]
-    if a.ratio:
-        ratios = [a.ratio if k in COMPRESSED_KINDS else r for k, r in zip(kinds, ratios)]
-    for i, (k, r) in enumerate(zip(kinds, ratios)):
-        if k in COMPRESSED_KINDS and r < 1:
-            raise ConfigError(
-                f"attention.ratios: layer {i} ({k}) needs a compression ratio >= 1, got {r}"
-            )
-        if k not in COMPRESSED_KINDS:
-            ratios[i] = 0
-    a = dataclasses.replace(a, layers=tuple(kinds), ratios=tuple(ratios))
-    return dataclasses.replace(cfg, attention=a)
+    """Expand per-layer lists to n_layers entries and compute per-layer ratios (plan.expand)."""
+    layers, ratios = plan.expand(cfg)
+    return dataclasses.replace(
+        cfg, attention=dataclasses.replace(cfg.attention, layers=layers, ratios=ratios))
 
 
 def _positive(value, key):
@@ -430,14 +361,15 @@ def validate(cfg: Config) -> None:
     _above_zero(m.norm_eps, "model.norm_eps")
     _above_zero(m.init_std, "model.init_std")
     _choice(m.dtype, DTYPES, "model.dtype")
-    kinds = set(a.layers)
+    fams = plan.families(cfg)
+    indexed = any(s.kind.scans_keys for s in plan.resolve(cfg))
 
     _positive(a.n_heads, "attention.n_heads")
     _positive(a.head_dim, "attention.head_dim")
     if a.n_kv_heads < 0:
         raise ConfigError(f"attention.n_kv_heads: must be >= 0 (0: n_heads), got {a.n_kv_heads}")
     _above_zero(a.rope_theta, "attention.rope_theta")
-    if "mha" in kinds:
+    if Family.MHA in fams:
         kv = a.n_kv_heads or a.n_heads
         if a.n_heads % kv:
             raise ConfigError(
@@ -445,14 +377,14 @@ def validate(cfg: Config) -> None:
             )
         if a.head_dim % 2:
             raise ConfigError(f"attention.head_dim: must be even for RoPE, got {a.head_dim}")
-    if kinds & {"mla", "dsa"}:
+    if fams & {Family.MLA, Family.DSA}:
         for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
             _positive(getattr(a, key), f"attention.{key}")
         if a.qk_rope_dim % 2:
             raise ConfigError(f"attention.qk_rope_dim: must be even, got {a.qk_rope_dim}")
     if a.q_lora_rank < 0:
         raise ConfigError(f"attention.q_lora_rank: must be >= 0, got {a.q_lora_rank}")
-    if kinds & set(V4_KINDS):
+    if Family.V4 in fams:
         _positive(a.window, "attention.window")
         _positive(a.q_lora_rank, "attention.q_lora_rank")
         _positive(a.o_groups, "attention.o_groups")
@@ -475,9 +407,9 @@ def validate(cfg: Config) -> None:
     if a.pool_blocks < 0:
         raise ConfigError(f"attention.pool_blocks: must be >= 0, got {a.pool_blocks}")
     _positive(a.pool_block_size, "attention.pool_block_size")
-    _check_sharing(cfg)
+    plan.check(cfg)
 
-    if kinds & set(INDEXED_KINDS):
+    if indexed:
         for key in ("n_heads", "head_dim"):
             _positive(getattr(ix, key), f"indexer.{key}")
         _positive(a.top_k, "attention.top_k")
@@ -494,11 +426,9 @@ def validate(cfg: Config) -> None:
     _at_least_zero(ix.loss_weight, "indexer.loss_weight")
 
     for role in ("local_format", "main_format", "key_format"):
-        _choice(getattr(c, role), CACHE_FORMATS, f"cache.{role}")
+        _choice(getattr(c, role), tuple(formats.FORMATS), f"cache.{role}")
     _positive(c.page_size, "cache.page_size")
-    from dsattn.cache import formats as _formats  # local import: formats imports config
-
-    _formats.validate_roles(cfg)
+    formats.validate_roles(cfg)
     _check_kernels(cfg)
 
     for key in ("batch_size", "seq_len", "steps", "eval_every", "eval_batches", "ckpt_every",
@@ -531,14 +461,15 @@ def kernel_misfit(cfg: Config, impl: str) -> str | None:
     if impl not in ("pallas_tpu", "pallas_gpu"):
         return None
     pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
-    if a.pool_blocks and "full" in a.layers:
+    specs = plan.resolve(cfg)
+    if any(s.builds_pool for s in specs):
         if c.page_size % a.pool_block_size:
             return (f"attention.pool_block_size: {a.pool_block_size} must divide "
                     f"cache.page_size={c.page_size} for indexer.impl={impl}")
         if impl == "pallas_gpu" and not pow2(a.pool_block_size):
             return (f"attention.pool_block_size: {a.pool_block_size} must be a power of two "
                     f"for indexer.impl=pallas_gpu")
-    indexed = set(a.layers) & set(INDEXED_KINDS)
+    indexed = any(s.kind.scans_keys for s in specs)
     if (indexed and impl == "pallas_gpu" and c.key_format in ("native", "bf16")
             and (ix.head_dim < 16 or not pow2(ix.head_dim))):
         return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
@@ -551,47 +482,3 @@ def _check_kernels(cfg: Config) -> None:
     misfit = kernel_misfit(cfg, cfg.indexer.impl)
     if misfit:
         raise ConfigError(misfit)
-
-
-def _check_sharing(cfg: Config) -> None:
-    """A borrowing layer needs an earlier Full layer in its own half of a CED stack, with
-    the same ratio (it reads that layer's entries)."""
-    a = cfg.attention
-    for i, (src, _) in enumerate(sharing_sources(cfg)):
-        kind = a.layers[i]
-        if kind not in ("reindex", "reuse"):
-            continue
-        if src is None:
-            raise ConfigError(
-                f"attention.layers: layer {i} is '{kind}' but no earlier 'full' layer "
-                f"(in its half of the stack) provides entries to borrow")
-        if a.ratios[i] != a.ratios[src]:
-            raise ConfigError(
-                f"attention.ratios: layer {i} borrows from layer {src} and must share its "
-                f"ratio ({a.ratios[src]}), got {a.ratios[i]}")
-
-
-def sharing_sources(cfg: Config) -> list[tuple[int | None, int | None]]:
-    """Per layer: (layer whose global KV it reads, layer whose selection it reuses).
-
-    Under CED the decoder never borrows from the encoder. None where nothing is borrowed
-    (or, for a malformed plan, where no source exists).
-    """
-    a = cfg.attention
-    out, last_full, last_select = [], None, None
-    for i, k in enumerate(a.layers):
-        if a.ced_split and i == a.ced_split:
-            last_full = last_select = None
-        if k == "full":
-            last_full = last_select = i
-            out.append((i, None))
-        elif k == "reindex":
-            last_select = i
-            out.append((last_full, None))
-        elif k == "reuse":
-            out.append((last_full, last_select))
-        elif k in ("hca", "csa", "mla", "dsa"):
-            out.append((i, None))
-        else:
-            out.append((None, None))
-    return out

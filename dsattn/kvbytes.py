@@ -37,8 +37,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from dsattn import plan
 from dsattn.cache.formats import bytes_per_vector
-from dsattn.config import Config, V4_KINDS, sharing_sources
+from dsattn.config import Config
+from dsattn.plan import Selector
 
 __all__ = [
     "item_bytes",
@@ -51,8 +53,6 @@ __all__ = [
     "report",
 ]
 
-_ROLES = ("local", "main", "key")
-
 
 def _num(x: Fraction | int) -> int | float:
     """An exact count as int when whole, else float."""
@@ -60,46 +60,33 @@ def _num(x: Fraction | int) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def _bpv(cfg: Config, role: str, width: int, rope: int, bf16: bool) -> Fraction:
-    fmt = "bf16" if bf16 else getattr(cfg.cache, f"{role}_format")
-    return Fraction(bytes_per_vector(fmt, width, rope, cfg.model.dtype))
+def _bytes(cfg: Config, v: plan.Vector | None, bf16: bool) -> Fraction:
+    """Bytes of one cache item made of `v` (0 for None), deployed format or BF16."""
+    if v is None:
+        return Fraction(0)
+    fmt = "bf16" if bf16 else getattr(cfg.cache, v.role.format_key)
+    return v.count * Fraction(bytes_per_vector(fmt, v.width, v.rope, cfg.model.dtype))
 
 
-def item_bytes(cfg: Config, kind: str, bf16: bool = False) -> dict[str, Fraction]:
-    """Bytes of one cache item of each role a layer of ``kind`` reads (0 where none).
+def item_bytes(cfg: Config, layer: int, bf16: bool = False) -> dict[str, Fraction]:
+    """Bytes of one cache item of each role layer `layer` reads (0 where none).
 
     ``main``: one token's K+V of all KV heads (mha), one latent (mla/dsa), or one compressed
     entry (V4 family); ``key``: one search key; ``local``: one window position.
     """
-    a, ix = cfg.attention, cfg.indexer
-    out = {r: Fraction(0) for r in _ROLES}
-    if kind == "mha":
-        out["main"] = 2 * (a.n_kv_heads or a.n_heads) * _bpv(cfg, "main", a.head_dim, 0, bf16)
-    elif kind in ("mla", "dsa"):
-        out["main"] = _bpv(cfg, "main", a.kv_lora_rank + a.qk_rope_dim, a.qk_rope_dim, bf16)
-    if kind in V4_KINDS:
-        out["local"] = _bpv(cfg, "local", a.head_dim, a.rope_dim, bf16)
-        if kind != "swa":
-            out["main"] = _bpv(cfg, "main", a.head_dim, a.rope_dim, bf16)
-    if kind in ("dsa", "csa", "full", "reindex"):
-        out["key"] = _bpv(cfg, "key", ix.head_dim, ix.rope_dim, bf16)
-    return out
+    s = plan.resolve(cfg)[layer]
+    return {"local": _bytes(cfg, s.local, bf16), "main": _bytes(cfg, s.entry, bf16),
+            "key": _bytes(cfg, s.key, bf16)}
+
+
+def _stored_bytes(cfg: Config, s: plan.LayerSpec, bf16: bool) -> Fraction:
+    """Bytes of one global item a layer writes itself (0 for layers that store none)."""
+    return sum((_bytes(cfg, v, bf16) for v in s.stored), Fraction(0))
 
 
 def storage_per_layer_exact(cfg: Config, bf16: bool = False) -> list[Fraction]:
     """Exact global bytes each layer adds per token (see the module docstring)."""
-    out = []
-    for kind, ratio in zip(cfg.attention.layers, cfg.attention.ratios):
-        it = item_bytes(cfg, kind, bf16)
-        if kind in ("mha", "mla", "dsa"):
-            out.append(it["main"] + it["key"])
-        elif kind in ("csa", "full"):
-            out.append((it["main"] + it["key"]) / ratio)
-        elif kind == "hca":
-            out.append(it["main"] / ratio)
-        else:  # swa, reindex, reuse: nothing global of their own
-            out.append(Fraction(0))
-    return out
+    return [_stored_bytes(cfg, s, bf16) / s.stride for s in plan.resolve(cfg)]
 
 
 def storage_per_layer(cfg: Config, bf16: bool = False) -> list[float]:
@@ -115,24 +102,14 @@ def storage_per_token(cfg: Config, bf16: bool = False) -> float:
 def local_bytes(cfg: Config, bf16: bool = False, context: int | None = None) -> int | float:
     """Bytes of every V4-family layer's local window (W positions; min(W, context) if given)."""
     w = cfg.attention.window if context is None else min(cfg.attention.window, context)
-    total = sum((item_bytes(cfg, k, bf16)["local"] * w for k in cfg.attention.layers),
-                Fraction(0))
-    return _num(total)
+    return _num(sum((_bytes(cfg, s.local, bf16) * w for s in plan.resolve(cfg)), Fraction(0)))
 
 
 def global_bytes(cfg: Config, context: int, bf16: bool = False) -> int | float:
     """Exact global cache after ``context`` tokens: complete entries only (floor per layer)."""
     _check_context(context)
-    total = Fraction(0)
-    for kind, ratio in zip(cfg.attention.layers, cfg.attention.ratios):
-        it = item_bytes(cfg, kind, bf16)
-        if kind in ("mha", "mla", "dsa"):
-            total += context * (it["main"] + it["key"])
-        elif kind in ("csa", "full"):
-            total += (context // ratio) * (it["main"] + it["key"])
-        elif kind == "hca":
-            total += (context // ratio) * it["main"]
-    return _num(total)
+    return _num(sum(((context // s.stride) * _stored_bytes(cfg, s, bf16)
+                     for s in plan.resolve(cfg)), Fraction(0)))
 
 
 def _check_context(context) -> None:
@@ -149,26 +126,16 @@ def read_counts(cfg: Config, context: int) -> list[dict]:
     _check_context(context)
     a = cfg.attention
     out = []
-    for kind, m in zip(a.layers, a.ratios):
-        window = min(a.window, context) if kind in V4_KINDS else 0
-        keys = 0
-        if kind in ("mha", "mla"):
-            entries = context
-        elif kind == "dsa":
-            entries, keys = min(a.top_k, context), context
-        elif kind == "hca":
-            entries = context // m
-        elif kind in ("csa", "full", "reindex", "reuse"):
-            visible = context // m
-            entries = min(a.top_k, visible)
-            if kind in ("csa", "full"):
-                keys = visible
-            elif kind == "reindex":
-                keys = (min(a.pool_blocks * a.pool_block_size, visible)
-                        if a.pool_blocks > 0 else visible)
-        else:  # swa
-            entries = 0
-        out.append({"window_read": window, "entries_read": entries, "keys_scanned": keys})
+    for s in plan.resolve(cfg):
+        k = s.kind
+        visible = context // s.stride if s.entry is not None else 0
+        entries = {Selector.NONE: 0, Selector.ALL: visible}.get(k.selector,
+                                                                  min(a.top_k, visible))
+        keys = visible if k.scans_keys else 0
+        if k.reads_pool and a.pool_blocks > 0:  # only the hierarchical indexer's pool
+            keys = min(a.pool_blocks * a.pool_block_size, visible)
+        out.append({"window_read": min(a.window, context) if k.window else 0,
+                    "entries_read": entries, "keys_scanned": keys})
     return out
 
 
@@ -190,24 +157,23 @@ def report(cfg: Config, context: int) -> dict:
     store = storage_per_layer_exact(cfg)
     store16 = storage_per_layer_exact(cfg, bf16=True)
     counts = read_counts(cfg, context)
-    sources = sharing_sources(cfg)
 
     layers = []
     tot = {k: Fraction(0) for k in ("local", "main", "key", "local16", "main16", "key16")}
-    for i, kind in enumerate(a.layers):
-        it, it16 = item_bytes(cfg, kind), item_bytes(cfg, kind, bf16=True)
+    for spec in plan.resolve(cfg):
+        i = spec.index
+        it, it16 = item_bytes(cfg, i), item_bytes(cfg, i, bf16=True)
         loc, main, key = _layer_reads(it, counts[i])
         loc16, main16, key16 = _layer_reads(it16, counts[i])
         for name, v in (("local", loc), ("main", main), ("key", key), ("local16", loc16),
                         ("main16", main16), ("key16", key16)):
             tot[name] += v
-        kv_src, sel_src = sources[i]
         layers.append({
             "layer": i,
-            "kind": kind,
-            "ratio": a.ratios[i],
-            "kv_source": kv_src,  # layer whose global cache it reads (None: none)
-            "select_source": sel_src,  # layer whose top-k selection it reuses (reuse only)
+            "kind": spec.name,
+            "ratio": spec.ratio,
+            "kv_source": spec.kv_source,  # layer whose global cache it reads (None: none)
+            "select_source": spec.select_source,  # layer whose selection it reuses (reuse)
             "local_item_bytes": _num(it["local"]),
             "main_item_bytes": _num(it["main"]),
             "key_item_bytes": _num(it["key"]),

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsattn import plan
+from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
 from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
@@ -16,19 +18,14 @@ from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
+from dsattn.plan import Family
 
-BASELINE_ATTENTION = {"mha": MHA, "mla": MLA, "dsa": DSA}
-V4_FAMILY = ("swa", "hca", "csa", "full", "reindex", "reuse")
+ATTENTION = {Family.MHA: MHA, Family.MLA: MLA, Family.DSA: DSA, Family.V4: V4Attention}
 
 
-def make_attention(cfg: Config, layer: int, rngs: nnx.Rngs):
-    kind = cfg.kind(layer)
-    if kind in BASELINE_ATTENTION:
-        return BASELINE_ATTENTION[kind](cfg, rngs)
-    if kind in V4_FAMILY:
-        return V4Attention(cfg, layer, rngs)
-    raise NotImplementedError(f"attention.layers: layer {layer} kind {kind!r} is not "
-                              f"implemented yet")
+def make_attention(cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
+    """The attention module of one layer, by its kind's family."""
+    return ATTENTION[spec.kind.family](cfg, spec, rngs)
 
 
 def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
@@ -43,22 +40,24 @@ def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
         m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
         self.attn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
-        self.attn = make_attention(cfg, layer, rngs)
+        self.attn = make_attention(cfg, spec, rngs)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
 
-    def __call__(self, x, positions, step=None, ctx=None):
-        a, aux = self.attn(self.attn_norm(x), positions, step, ctx)
+    def __call__(self, x, positions, step=None, ctx=StackContext()):
+        """(output, aux losses, the context for the next block)."""
+        a, aux, ctx = self.attn(self.attn_norm(x), positions, step, ctx)
         x = x + a
-        return x + self.ffn(self.ffn_norm(x)), aux
+        return x + self.ffn(self.ffn_norm(x)), aux, ctx
 
-    def extend(self, x, positions, valid, cache, ctx):
-        a, cache = self.attn.extend(self.attn_norm(x), positions, valid, cache, ctx)
+    def extend(self, x, positions, valid, cache, ctx=CachedContext()):
+        """(output, the layer's new cache, the context for the next block)."""
+        a, cache, ctx = self.attn.extend(self.attn_norm(x), positions, valid, cache, ctx)
         x = x + a
-        return x + self.ffn(self.ffn_norm(x)), cache
+        return x + self.ffn(self.ffn_norm(x)), cache, ctx
 
 
 class Transformer(nnx.Module):
@@ -67,7 +66,7 @@ class Transformer(nnx.Module):
         m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
         self.embedding = Embedding(m.vocab_size, m.d_model, rngs, dt, m.tie_embeddings,
                                    m.init_std)
-        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(m.n_layers)])
+        self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in plan.resolve(cfg)])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
     def forward(self, tokens, step=None):
@@ -79,11 +78,11 @@ class Transformer(nnx.Module):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embedding(tokens)
-        auxes, ctx = [], {}
+        auxes, ctx = [], StackContext()
         for i, block in enumerate(self.blocks):
             if i == self.cfg.attention.ced_split and i:  # decoder: global KV from the encoder
-                ctx = {"encoder_out": x}
-            x, aux = block(x, positions, step, ctx)
+                ctx = StackContext(encoder_out=x)
+            x, aux, ctx = block(x, positions, step, ctx)
             auxes.append(aux)
         return self.embedding.logits(self.norm(x)), auxes
 
@@ -118,15 +117,15 @@ class Transformer(nnx.Module):
         """
         split = self.cfg.attention.ced_split
         x = self.embedding(tokens)
-        ctx: dict = {}
+        ctx = CachedContext()
         new, evals = [], jnp.int32(0)
         for i, (block, cache) in enumerate(zip(self.blocks, layer_caches)):
             if split and i == split:
-                ctx = {"encoder_out": (x, positions, valid)}
+                ctx = CachedContext(encoder_out=Stream(x, positions, valid))
                 if replay is not None:
                     x, positions, valid = _last_positions(x, positions, valid, replay,
                                                                 replay_from)
-            x, cache = block.extend(x, positions, valid, cache, ctx)
+            x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
             evals = evals + jnp.sum(valid, dtype=jnp.int32)
             new.append(cache)
         last = jnp.maximum(jnp.sum(valid, -1) - 1, 0)

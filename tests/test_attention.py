@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsattn import plan
 from dsattn.attention.common import causal_mask, masked_softmax
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
@@ -15,9 +16,14 @@ def _x(b=2, t=7, d=128, seed=0):
     return jnp.asarray(np.random.RandomState(seed).randn(b, t, d))
 
 
+def _layer(cls, cfg, seed):
+    """Layer 0 of `cfg` as a `cls` module."""
+    return cls(cfg, plan.resolve(cfg)[0], nnx.Rngs(seed))
+
+
 def test_mla_naive_equals_absorbed():
     cfg = preset("mla", "model.dtype=float64")
-    mla = MLA(cfg, nnx.Rngs(1))
+    mla = _layer(MLA, cfg, 1)
     x = _x()
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
     q_nope, q_pe = mla.queries(mla.query_latent(x), pos)
@@ -45,9 +51,9 @@ def _expand_kv(gqa: MHA, mha: MHA):
 def test_grouped_kv_equals_mha_with_repeated_heads():
     x = _x()
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
-    mha = MHA(preset("mha", "model.dtype=float64"), nnx.Rngs(0))
+    mha = _layer(MHA, preset("mha", "model.dtype=float64"), 0)
     for name in ("gqa", "mqa"):
-        grouped = MHA(preset(name, "model.dtype=float64"), nnx.Rngs(3))
+        grouped = _layer(MHA, preset(name, "model.dtype=float64"), 3)
         assert grouped.n_kv < grouped.n_heads
         _expand_kv(grouped, mha)
         np.testing.assert_allclose(grouped(x, pos)[0], mha(x, pos)[0], rtol=1e-10, atol=1e-12)
@@ -55,7 +61,7 @@ def test_grouped_kv_equals_mha_with_repeated_heads():
 
 def test_mha_matches_plain_numpy_attention():
     cfg = preset("mha", "model.dtype=float64")
-    att = MHA(cfg, nnx.Rngs(0))
+    att = _layer(MHA, cfg, 0)
     x = _x(b=1, t=5)
     pos = jnp.arange(5)[None]
     h, d = att.n_heads, att.head_dim

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsattn import config
+from dsattn import config, plan
 
 
 def test_short_form_patterns():
@@ -40,11 +40,11 @@ def test_ratio_is_one_override():
 
 
 def test_sharing_plan_is_checked_and_resolved():
-    plan = "model: {n_layers: 6}\nattention: {layers: 'swa, full, reuse, reindex, reuse, reuse', q_lora_rank: 8}"
-    cfg = config.loads(plan)
-    assert config.sharing_sources(cfg) == [(None, None), (1, None), (1, 1), (1, None),
-                                           (1, 3), (1, 3)]
-    off = config.loads(plan, ["attention.sharing=false"])
+    layers = "model: {n_layers: 6}\nattention: {layers: 'swa, full, reuse, reindex, reuse, reuse', q_lora_rank: 8}"
+    cfg = config.loads(layers)
+    assert [(s.kv_source, s.select_source) for s in plan.resolve(cfg)] == [
+        (None, None), (1, None), (1, 1), (1, None), (1, 3), (1, 3)]
+    off = config.loads(layers, ["attention.sharing=false"])
     assert off.attention.layers == ("swa", "full", "full", "full", "full", "full")
     with pytest.raises(config.ConfigError, match="layer 1 is 'reuse' but no earlier 'full'"):
         config.loads("model: {n_layers: 2}\nattention: {layers: 'swa, reuse', q_lora_rank: 8}")

@@ -55,11 +55,11 @@ def test_seed_storage_exact_fraction():
 def test_seed_item_sizes():
     # The format lines under seed 000's bars: bytes of one item in one layer.
     v32, v4, v41 = preset("v3_2"), preset("v4_flash"), preset("v4_1_flash")
-    assert kvbytes.item_bytes(v32, "dsa") == {"local": 0, "main": 656, "key": 132}
-    assert kvbytes.item_bytes(v4, "csa") == {"local": 584, "main": 584, "key": 68}
-    assert kvbytes.item_bytes(v4, "hca") == {"local": 584, "main": 584, "key": 0}
-    assert kvbytes.item_bytes(v41, "full") == {"local": 528, "main": 288, "key": 68}
-    assert kvbytes.item_bytes(v41, "reuse") == {"local": 528, "main": 288, "key": 0}
+    assert kvbytes.item_bytes(v32, 0) == {"local": 0, "main": 656, "key": 132}  # dsa
+    assert kvbytes.item_bytes(v4, 2) == {"local": 584, "main": 584, "key": 68}  # csa
+    assert kvbytes.item_bytes(v4, 3) == {"local": 584, "main": 584, "key": 0}  # hca
+    assert kvbytes.item_bytes(v41, 2) == {"local": 528, "main": 288, "key": 68}  # full
+    assert kvbytes.item_bytes(v41, 3) == {"local": 528, "main": 288, "key": 0}  # reuse
 
 
 # ------------------------------------------------------------------ seed 000, local window

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn import train
-from dsattn.attention import core, indexer
+from dsattn import plan, train
+from dsattn.attention import core, indexer, selectors
 from tests.helpers import (check_decode_matches_forward, check_two_chunk_prefill, forward, preset,
                            tiny_model)
 
@@ -42,10 +42,11 @@ def test_future_tokens_never_leak(name):
 
 
 def test_entry_visibility_counts():
-    layer = tiny_model("v4").blocks[2].attn  # the first csa layer, m = 4
-    assert layer.kind == "csa" and layer.ratio == 4
+    spec = plan.resolve(preset("v4"))[2]  # the first csa layer, m = 4
+    assert spec.name == "csa" and spec.stride == 4
     pos = jnp.arange(10)[None]
-    assert np.asarray(layer._n_visible(pos))[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert np.asarray(selectors.n_visible(pos, spec.stride))[0].tolist() == [
+        0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
 
 
 def test_window_stays_visible_when_indexer_selects_nothing():

@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from dsattn import generate, train
 from dsattn.attention import indexer
+from dsattn.attention.context import StackContext
 from tests.helpers import check_decode_matches_forward, forward, preset, tiny_model
 
 # The preset itself is covered by tests/test_properties.py (with more lengths and steps).
@@ -22,44 +25,58 @@ def test_prefill_decode_equals_forward(overrides):
     check_decode_matches_forward(model, lengths=[5, 33, 19], n_decode=14, max_len=48)
 
 
-def _walk(model, tokens):
-    """Run the training forward block by block, recording ctx before and after each layer."""
-    cfg = model.cfg
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x, ctx, seen = model.embedding(tokens), {}, []
-    for i, block in enumerate(model.blocks):
-        if i == cfg.attention.ced_split:
-            ctx = {"encoder_out": x}
-        before = dict(ctx)
-        x, _ = block(x, positions, None, ctx)
-        seen.append((cfg.kind(i), before, dict(ctx)))
-    return seen
+def _param_paths(module):
+    return {p for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
-def test_reuse_borrows_entries_and_selection_reindex_reselects():
+def test_borrowing_layers_own_only_what_they_compute():
     model = tiny_model("v41")
-    toks = jnp.asarray(np.random.RandomState(0).randint(0, 256, (2, 40)))
-    seen = _walk(model, toks)
-    kinds = [k for k, _, _ in seen]
-    assert kinds.count("reuse") == 5 and kinds.count("reindex") == 1
-    for i, (kind, before, after) in enumerate(seen):
-        if kind == "reuse":  # same entries object, same selection object: nothing recomputed
-            assert after["shared"] is before["shared"]
-            assert after["selection"] is before["selection"]
-            layer = model.blocks[i].attn
-            assert layer.compressor is None and layer.index_q is None
-        if kind == "reindex":
-            assert after["shared"] is before["shared"]
-            assert not bool(jnp.all(after["selection"] == before["selection"]))
-        if kind == "full" and i >= model.cfg.attention.ced_split:
-            assert "pool" in after  # the decoder full layer builds the candidate pool
+    kinds = model.cfg.attention.layers
+    params = [_param_paths(b.attn) for b in model.blocks]
+    window_only = params[kinds.index("swa")]  # query, local window KV, output
+    for i, kind in enumerate(kinds):
+        if kind == "reuse":  # borrows entries and selection: nothing of its own
+            assert params[i] == window_only
+        if kind == "reindex":  # borrows entries, runs its own indexer query
+            extra = params[i] - window_only
+            assert extra and all(p[0] == "selector" for p in extra)
+        if kind == "full":  # compresses and selects
+            assert {p[0] for p in params[i] - window_only} == {"source", "selector"}
+
+
+def _contexts(model, tokens):
+    """The context each block of the training forward returns."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x, ctx, out = model.embedding(tokens), StackContext(), []
+    for i, block in enumerate(model.blocks):
+        if i == model.cfg.attention.ced_split:
+            ctx = StackContext(encoder_out=x)
+        x, _, ctx = block(x, positions, None, ctx)
+        out.append(ctx)
+    return out
+
+
+def test_reuse_passes_the_selection_on_and_reindex_reselects():
+    model = tiny_model("v41")
+    kinds = model.cfg.attention.layers
+    ctxs = _contexts(model, jnp.asarray(np.random.RandomState(0).randint(0, 256, (2, 40))))
+    for i, kind in enumerate(kinds):
+        if kind == "reuse":
+            np.testing.assert_array_equal(ctxs[i].selection, ctxs[i - 1].selection)
+            np.testing.assert_array_equal(ctxs[i].entries, ctxs[i - 1].entries)
+        if kind == "reindex":  # same entries, its own selection inside the full layer's pool
+            np.testing.assert_array_equal(ctxs[i].entries, ctxs[i - 1].entries)
+            assert not bool(jnp.all(ctxs[i].selection == ctxs[i - 1].selection))
+            assert not bool(jnp.any(ctxs[i].selection & ~ctxs[i].pool))
+    split = model.cfg.attention.ced_split
+    assert ctxs[split - 1].pool is None and ctxs[split].pool is not None  # the decoder's pool
 
 
 @pytest.mark.parametrize("overrides, owners", [((), 2), (("attention.sharing=false",), 8)])
 def test_only_full_layers_own_pages(overrides, owners):
     cfg = preset("v41", *overrides)
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 2, 64))
-    owning = [i for i, c in enumerate(cache["layers"]) if "global" in c]
+    owning = [i for i, c in enumerate(cache["layers"]) if "global" in c]  # holds pages
     assert owning == [i for i, k in enumerate(cfg.attention.layers) if k == "full"]
     assert len(owning) == owners
 

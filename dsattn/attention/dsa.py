@@ -2,18 +2,21 @@
 indexer picks (REFERENCE.md §1.3).
 
 The indexer key is LayerNorm(W^K x) with RoPE on its last `indexer.rope_dim` dims, one per
-token, stored beside MLA's latent in the paged global cache. Decode scans the keys, takes
-the top-k and gathers only those tokens' latents for the absorbed MLA path.
+token, stored beside MLA's latent in the paged global cache. The selection is the same
+indexer selector the V4 family uses (attention/selectors.py), over tokens instead of
+compressed entries: decode scans the keys, takes the top-k and gathers only those tokens'
+latents for the absorbed MLA path.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.core import FrozenDict
 
-from dsattn.attention import indexer
-from dsattn.attention.common import causal_mask, masked_softmax
+from dsattn.attention.common import masked_softmax
+from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.mla import MLA
+from dsattn.attention.selectors import IndexerSelector
+from dsattn.attention.sources import paged_fields
 from dsattn.cache import formats, paged
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import LayerNorm, RMSNorm
@@ -21,28 +24,21 @@ from dsattn.nn.rope import apply_rope_last
 
 
 class DSA(MLA):
-    def __init__(self, cfg, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs)
+    def __init__(self, cfg, spec, rngs: nnx.Rngs):
+        super().__init__(cfg, spec, rngs)
         ix, m = cfg.indexer, cfg.model
         dt = jnp.dtype(m.dtype)
-        self.top_k, self.loss_weight = cfg.attention.top_k, ix.loss_weight
-        self.warmup = ix.dense_warmup_steps
-        self.key_rope = ix.rope_dim
-        self.page_size = cfg.cache.page_size
-        self.impl = indexer.resolve_impl(cfg)
-        self.interpret, self.topk = ix.interpret, ix.topk
-        self.fake_quant = cfg.cache.fake_quant
-        self.fields = FrozenDict({  # hashable: module attributes are static under jit
-            "latent": paged.Field(cfg.cache.main_format, self.dc + self.dr, self.dr),
-            "key": paged.Field(cfg.cache.key_format, ix.head_dim, ix.rope_dim)})
-        self.index_q = indexer.IndexerQuery(cfg, cfg.attention.q_lora_rank or m.d_model, rngs)
+        self.key_rope, self.page_size = ix.rope_dim, cfg.cache.page_size
+        self.fields = paged_fields(cfg, spec)  # "entry": [C^KV | K^R], "key": search key
+        self.selector = IndexerSelector(cfg, spec, cfg.attention.q_lora_rank or m.d_model,
+                                        rngs)
         self.wk = dense(m.d_model, ix.head_dim, rngs, dt, m.init_std)
         norm = LayerNorm if ix.key_norm == "layernorm" else RMSNorm
         self.k_norm = norm(ix.head_dim, m.norm_eps, dtype=dt)
 
-    def _qdq(self, name, v):
+    def _as_stored(self, name, v):
         f = self.fields[name]
-        return formats.quantize_dequantize(f.fmt, v, f.rope) if self.fake_quant else v
+        return formats.as_stored(f.fmt, v, f.rope, self.fake_quant)
 
     def index_keys(self, x, positions):
         k = self.k_norm(self.wk(jax.lax.stop_gradient(x)))
@@ -50,37 +46,26 @@ class DSA(MLA):
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
         return k
 
-    def __call__(self, x, positions, step=None, ctx=None):
+    def __call__(self, x, positions, step=None, ctx=StackContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
-        lat = self._qdq("latent", self.latents(x, positions))
-        keys = self._qdq("key", self.index_keys(x, positions))
-        iq, w = self.index_q(cq, x, positions, self.theta)
-        score = indexer.scores(iq, w, keys)
-        visible = causal_mask(positions, positions)
-        idx, ok = indexer.select(score, visible, self.top_k, self.topk)
-        mask = indexer.selection_mask(idx, ok, x.shape[1])
-        if self.warmup and step is not None:
-            mask = jnp.where(step < self.warmup, visible, mask)
+        lat = self._as_stored("entry", self.latents(x, positions))
+        keys = self._as_stored("key", self.index_keys(x, positions))
+        mask, score, ctx = self.selector(cq, x, positions, self.theta, keys, x.shape[1], step,
+                                         ctx)
         p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), mask)
-        loss = indexer.kl_loss(score, jnp.sum(p, axis=1), mask)
-        return self.naive_output(p, lat), {"indexer_loss": self.loss_weight * loss}
+        loss = self.selector.loss(score, jnp.sum(p, axis=1), mask)
+        return self.naive_output(p, lat), {"indexer_loss": loss}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return {"global": paged.empty(self.fields, batch, max_len, self.page_size, self.dtype)}
 
-    def extend(self, x, positions, valid, cache, ctx):
+    def extend(self, x, positions, valid, cache, ctx=CachedContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
-        new = {"latent": self.latents(x, positions), "key": self.index_keys(x, positions)}
+        new = {"entry": self.latents(x, positions), "key": self.index_keys(x, positions)}
         g = paged.append(cache["global"], self.fields, new, jnp.sum(valid, -1, dtype=jnp.int32))
-        iq, w = self.index_q(cq, x, positions, self.theta)
-        score = indexer.paged_scores(iq, w, g, self.fields, positions + 1, self.impl,
-                                     self.interpret, self.dtype)
-        idx, ok = indexer.select(score, score > -jnp.inf, self.top_k, self.topk)
-        lat, _ = paged.gather(g, self.fields, "latent", idx, self.dtype)  # only the top-k
+        lat, ok, ctx = self.selector.extend(g, self.fields, cq, x, positions, self.theta, ctx,
+                                            self.dtype)  # only the top-k tokens' latents
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), ok)
-        return self.absorbed_output(p, lat), {"global": g}
-
-
-
+        return self.absorbed_output(p, lat), {"global": g}, ctx

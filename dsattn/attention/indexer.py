@@ -43,6 +43,14 @@ def scores(q, w, keys):
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
 
 
+def gathered_scores(q, w, keys):
+    """I [B, T, S] for queries q [B,T,n,d] and weights w [B,T,n] against per-query keys
+    [B, T, S, d] (the candidate pool's keys, gathered for each query)."""
+    sd = softmax_dtype(q.dtype)
+    dots = jnp.einsum("btnd,btsd->btns", q, keys, preferred_element_type=sd)
+    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
+
+
 def select(score, visible, k: int, topk: str = "exact"):
     """Top-k entry indices [B, T, k] among the visible ones, and which picks are real.
 

@@ -14,7 +14,7 @@ from dsattn.nn.rope import apply_rope
 
 
 class MHA(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, spec, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
         self.dtype = jnp.dtype(m.dtype)
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
@@ -57,10 +57,9 @@ class MHA(nnx.Module):
     def __call__(self, x, positions, step=None, ctx=None):
         """Teacher-forced causal attention over x [B, T, D]."""
         q, k, v = self._qkv(x, positions)
-        if self.fake_quant:  # the numbers decode will read back from the cache
-            k, v = (formats.quantize_dequantize(self.fmt, t) for t in (k, v))
+        k, v = (formats.as_stored(self.fmt, t, 0, self.fake_quant) for t in (k, v))
         hm = lambda a: jnp.swapaxes(a, 1, 2)  # [B, G, T, d]
-        return self._attend(q, hm(k), hm(v), causal_mask(positions, positions)), {}
+        return self._attend(q, hm(k), hm(v), causal_mask(positions, positions)), {}, ctx
 
     # -- cached path ------------------------------------------------------------------
     # Head-major cache [B, G, L, d]: each head's keys are one contiguous [L, d] matrix, so
@@ -71,7 +70,7 @@ class MHA(nnx.Module):
                                       0, self.dtype, heads_first=True)
         return {"k": mk(), "v": mk()}
 
-    def extend(self, x, positions, valid, cache, ctx):
+    def extend(self, x, positions, valid, cache, ctx=None):
         """Append x's tokens at `positions` (where `valid`) and attend over the cache."""
         q, k, v = self._qkv(x, positions)
         cache = {"k": contiguous.write(cache["k"], self.fmt, k, positions, valid,
@@ -81,4 +80,4 @@ class MHA(nnx.Module):
         keys = contiguous.read(cache["k"], self.fmt, self.dtype)
         vals = contiguous.read(cache["v"], self.fmt, self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
-        return self._attend(q, keys, vals, causal_mask(positions, k_pos)), cache
+        return self._attend(q, keys, vals, causal_mask(positions, k_pos)), cache, ctx

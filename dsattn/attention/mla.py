@@ -21,7 +21,7 @@ from dsattn.nn.rope import apply_rope
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, spec, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
         self.dtype = jnp.dtype(m.dtype)
         self.h, self.dc, self.dr = a.n_heads, a.kv_lora_rank, a.qk_rope_dim
@@ -115,22 +115,22 @@ class MLA(nnx.Module):
 
     # -- entry points ------------------------------------------------------------------
     def __call__(self, x, positions, step=None, ctx=None):
+        """Training forward: (output, no aux losses, the context unchanged)."""
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
-        if self.fake_quant:  # the numbers decode will read back from the cache
-            lat = formats.quantize_dequantize(self.fmt, lat, self.dr)
+        lat = formats.as_stored(self.fmt, lat, self.dr, self.fake_quant)
         p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), causal_mask(positions, positions))
-        return self.naive_output(p, lat), {}
+        return self.naive_output(p, lat), {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return {"latent": contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
                                            self.dr, self.dtype)}
 
-    def extend(self, x, positions, valid, cache, ctx):
+    def extend(self, x, positions, valid, cache, ctx=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         stored = contiguous.write(cache["latent"], self.fmt, self.latents(x, positions),
                                   positions, valid, self.dr)
         lat = contiguous.read(stored, self.fmt, self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), causal_mask(positions, k_pos))
-        return self.absorbed_output(p, lat), {"latent": stored}
+        return self.absorbed_output(p, lat), {"latent": stored}, ctx

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsattn import plan
 from dsattn.errors import ConfigError
 
 
@@ -146,34 +147,12 @@ def check_width(fmt: str, width: int, rope: int, key: str) -> None:
         raise ConfigError(f"{key}: format {fmt!r} packs two values per byte; width {width} is odd")
 
 
-def role_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(width, rope dims) of the vector each cache role stores, for the kinds in ``cfg``."""
-    a, ix = cfg.attention, cfg.indexer
-    kinds = set(cfg.attention.layers)
-    shapes: dict[str, list[tuple[int, int]]] = {"local_format": [], "main_format": [],
-                                                 "key_format": []}
-    if "mha" in kinds:
-        shapes["main_format"].append((a.head_dim, 0))
-    if kinds & {"mla", "dsa"}:
-        shapes["main_format"].append((a.kv_lora_rank + a.qk_rope_dim, a.qk_rope_dim))
-    if "dsa" in kinds:
-        shapes["key_format"].append((ix.head_dim, ix.rope_dim))
-    v4 = {"swa", "hca", "csa", "full", "reindex", "reuse"}
-    if kinds & v4:
-        shapes["local_format"].append((a.head_dim, a.rope_dim))
-    if kinds & {"hca", "csa", "full", "reindex", "reuse"}:
-        shapes["main_format"].append((a.head_dim, a.rope_dim))
-    if kinds & {"csa", "full", "reindex"}:
-        shapes["key_format"].append((ix.head_dim, ix.rope_dim))
-    return shapes
-
-
 def validate_roles(cfg) -> None:
-    """Every role's format must fit every vector shape it will store."""
-    for role, shapes in role_shapes(cfg).items():
-        fmt = getattr(cfg.cache, role)
+    """Every role's format must fit every vector shape the layer plan stores in it."""
+    for role, shapes in plan.role_shapes(cfg).items():
+        fmt = getattr(cfg.cache, role.format_key)
         for width, rope in shapes:
-            check_width(fmt, width, rope, f"cache.{role}")
+            check_width(fmt, width, rope, f"cache.{role.format_key}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +336,12 @@ def quantize_dequantize(fmt: str, x: jax.Array, rope: int = 0) -> jax.Array:
     y = decode(fmt, encode(fmt, x, rope), x.dtype)
     return jax.lax.stop_gradient(y) + (x - jax.lax.stop_gradient(x))
 
+
+
+def as_stored(fmt: str, x: jax.Array, rope: int = 0, enabled: bool = True) -> jax.Array:
+    """`x` rounded as a cache of format `fmt` will store it when `enabled` (the config's
+    `cache.fake_quant`: training sees the numbers decode reads back), else `x` itself."""
+    return quantize_dequantize(fmt, x, rope) if enabled else x
 
 def abstract(fmt: str, shape_prefix, width: int, rope: int = 0,
              dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:

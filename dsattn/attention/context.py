@@ -1,0 +1,55 @@
+"""What layers hand down the stack, as typed immutable values: each layer takes a context
+and returns the next one (`ctx.replace(...)`), never an attention result.
+
+Training (`StackContext`) carries dense masks over a whole sequence; cached execution
+(`CachedContext`) carries the shared paged cache and per-query entry ids. Under CED the
+decoder starts from a context holding only the encoder's output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class Selection:
+    """Per-query entry ids [B, T, k] and which of them are real picks."""
+
+    idx: jax.Array
+    ok: jax.Array
+
+
+@struct.dataclass
+class Stream:
+    """A sequence chunk at its positions: what CED decoder layers compress (cached)."""
+
+    x: jax.Array  # [B, T, D]
+    positions: jax.Array  # [B, T]
+    valid: jax.Array  # [B, T]
+
+
+@struct.dataclass
+class StackContext:
+    """Training forward: the latest full layer's entries [B, n, c] and search keys
+    [B, n, d], the latest selection over them and the hierarchical indexer's candidate pool
+    (both [B, T, n] masks), and (CED decoder) the encoder's output [B, T, D]."""
+
+    encoder_out: jax.Array | None = None
+    entries: jax.Array | None = None
+    keys: jax.Array | None = None
+    selection: jax.Array | None = None
+    pool: jax.Array | None = None
+
+
+@struct.dataclass
+class CachedContext:
+    """Cached prefill/decode: the latest full layer's paged cache, the latest selection and
+    candidate pool as entry ids, and (CED decoder) the encoder's output chunk."""
+
+    encoder_out: Stream | None = None
+    global_cache: Any = None
+    selection: Selection | None = None
+    pool: Selection | None = None
