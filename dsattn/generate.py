@@ -1,9 +1,29 @@
-"""Prefill, decode_step and a sampling loop over explicit, donated cache pytrees.
+"""Prefill, decode_step and a sampling loop over explicit, donated cache pytrees, run by an
+`Engine`.
 
 Both prefill and decode extend the cache by some tokens per row: prefill by a padded chunk
 (each row its own length), decode by one token per row. Rows are ragged: every row keeps
 its own next position in ``cache["pos"]``. Prompts are padded to power-of-two buckets so
-compiles stay bounded, and ``decode_step`` compiles once per (config, batch, max_len).
+compiles stay bounded, and an engine's decode program compiles once per (batch, max_len).
+
+An ``Engine(model)`` splits the model once (graphdef and a pure dict of its weights) and owns
+its jitted prefill and decode programs, the host-side record of the caches it produced (row
+positions, for capacity checks without a device sync, and evaluation counts) and the count
+of decode programs it compiled::
+
+    eng = generate.engine(model)           # the model's engine (or Engine(model): a new one)
+    cache = eng.init_cache(batch, max_len)
+    logits, cache = eng.prefill(tokens, lengths, cache, replay=None)   # [B, V]
+    logits, cache = eng.decode_step(next_tokens, cache)                # [B, V]
+    eng.evaluations(cache)                  # (position, layer) evaluations run for the cache
+    eng.generate(prompts, max_new_tokens, ...)
+
+The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
+``generate(model, ...)`` are conveniences over ``engine(model)``: one engine per live model
+(a weak mapping, so it goes with the model), re-reading the model's weights on each call
+(an identity check of its weight arrays) so in-place updates (an optimizer step,
+``nnx.update``, a checkpoint restore) are seen. They also accept an engine, used as it is.
+``bind`` and ``Bound`` are the old names of ``engine`` and ``Engine``.
 
 A cache holds ``max_len`` positions per row. prefill and decode_step refuse, with
 ``CacheExhausted`` and before anything runs, a call that would take a row past it, so the
@@ -14,6 +34,8 @@ cache stays as it was; the compiled programs also refuse such rows themselves (s
 from __future__ import annotations
 
 import math
+import operator
+import threading
 import weakref
 from functools import partial
 from typing import Any, NamedTuple
@@ -30,51 +52,311 @@ from dsattn.model import Transformer, check_tokens
 MIN_BUCKET = 16
 PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
 
+# jax records this event (with the program's duration) each time it compiles a program for a
+# jit call (a persistent-cache load included): counted while an engine runs its decode program.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_running = threading.local()  # .engine: the engine whose decode program this thread is calling
+_decode_compiled = 0  # decode programs compiled in this process, all engines
 
-class Bound(NamedTuple):
-    """A model split once into (graphdef, state), with its compiled programs: a snapshot for
-    a generation loop.
 
-    `nnx.split` walks the whole module graph (about 5 ms for a tiny model) and hashing the
-    graphdef, as a static jit argument would on every call, costs about 3 ms (a 10-layer
-    tiny model): both exceed a tiny decode step, so loops bind once and pass the Bound to
-    prefill/decode_step. Later in-place changes to the model's weights are not seen by an
-    existing Bound.
+def _on_event_duration(event: str, duration: float, **kwargs) -> None:
+    global _decode_compiled
+    eng = getattr(_running, "engine", None)
+    if eng is not None and event == _COMPILE_EVENT:
+        eng.decode_compilations += 1
+        _decode_compiled += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+def decode_compilations() -> int:
+    """How many decode programs (one per engine and cache shape) this process has compiled."""
+    return _decode_compiled
+
+
+class _Seen(NamedTuple):
+    """What an engine knows of a cache it produced, kept while its `pos` array lives."""
+
+    ref: Any  # weakref to cache["pos"] (immutable: the record stays exact)
+    pos: np.ndarray  # the rows' positions [B] on the host
+    evals: Any  # (position, layer) evaluations of prefill programs: a device scalar or 0
+    decode_evals: int  # and of decode steps (host-known: every row of a checked step runs)
+
+
+class Engine:
+    """A model split once into (graphdef, pure-dict weights), with its own compiled prefill
+    and decode programs and the record of the caches it produced.
+
+    `nnx.split` walks the whole module graph (a few ms for a tiny model), more than a tiny
+    decode step, so an engine splits once; the weights are a plain nested dict of arrays,
+    which jit flattens in C++ (nnx Variables would cost a Python callback each). The engine
+    does not keep the model alive. It reads the weights when built and on `refresh()`
+    (cheap when nothing changed); replacing a sub-module or a Variable object itself, rather
+    than its value, needs a new engine.
+
+    Decode programs are compiled per engine: two engines of one model compile twice (the
+    module functions share one engine per model, see `engine`).
     """
 
-    graphdef: Any
-    state: Any  # nnx.to_pure_dict of the model's state
-    cfg: Any
-    prefill_fn: Any
-    decode_fn: Any
+    def __init__(self, model: Transformer):
+        if not isinstance(model, nnx.Module):
+            raise InputError(f"Engine: expected an nnx model, got {type(model).__name__}")
+        self.cfg = model.cfg
+        self.graphdef, state = nnx.split(model)
+        keyed, self._treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+        found = {p: v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+        # The model's own Variables, in the state's leaf order (None: refresh re-splits).
+        variables = [found.get(tuple(k.key for k in path)) for path, _ in keyed]
+        self._variables = None if any(v is None for v in variables) else variables
+        self._model = weakref.ref(model)
+        self._raws: list = [leaf for _, leaf in keyed]
+        self.state = jax.tree.unflatten(self._treedef, self._raws)
+        # replay (argument 4) is static; the cache (3) is donated.
+        self.prefill_fn = jax.jit(partial(_extend_impl, self.graphdef), static_argnums=4,
+                                  donate_argnums=3)
+        self._decode_fn = jax.jit(partial(_decode_impl, self.graphdef), donate_argnums=2)
+        self.decode_compilations = 0  # decode programs this engine compiled
+        self._seen: dict[int, _Seen] = {}
+        self._shapes = None  # an abstract model for init_cache
+
+    # -- weights --------------------------------------------------------------------------
+    def refresh(self) -> "Engine":
+        """Re-read the model's weights if any changed since (returns the engine)."""
+        if self._variables is None:
+            model = self._model()
+            if model is None:
+                return self
+            raws = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
+        else:
+            raws = [v.get_raw_value() for v in self._variables]
+        if not all(map(operator.is_, raws, self._raws)):
+            self._raws = raws
+            self.state = jax.tree.unflatten(self._treedef, raws)
+        return self
+
+    # -- caches ---------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty cache for `batch` rows of up to `max_len` tokens."""
+        if self._shapes is None:
+            self._shapes = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0)))
+        return self._shapes.init_cache(batch, max_len)
+
+    def _known(self, cache) -> _Seen | None:
+        """The record of a cache: kept if this engine produced it, else read once (a device
+        sync) and kept; None under an outer jit (the compiled check applies)."""
+        pos = cache["pos"]
+        if isinstance(pos, jax.core.Tracer):
+            return None
+        seen = self._seen.get(id(pos))
+        if seen is not None and seen.ref() is pos:
+            return seen
+        return self._remember(cache, np.asarray(jax.device_get(pos)), 0, 0)
+
+    def _remember(self, cache, host_pos, evals, decode_evals) -> _Seen:
+        pos, key, seen = cache["pos"], id(cache["pos"]), self._seen
+
+        def forget(ref):
+            if (entry := seen.get(key)) is not None and entry.ref is ref:
+                del seen[key]
+
+        entry = seen[key] = _Seen(weakref.ref(pos, forget), host_pos, evals, decode_evals)
+        return entry
+
+    def evaluations(self, cache) -> int:
+        """(position, layer) evaluations this engine ran to produce `cache` (prefill chunks,
+        decode steps), counted from the first time it saw the cache's lineage (all of them
+        for a cache from init_cache). A replay prefill runs its decoder layers over only R
+        positions per row. Raises InputError for a cache this engine did not produce."""
+        pos = cache["pos"]
+        seen = self._seen.get(id(pos))
+        if seen is None or seen.ref() is not pos:
+            raise InputError("evaluations: this engine did not produce this cache (use the "
+                             "engine that ran its prefill and decode steps)")
+        return int(seen.evals) + seen.decode_evals
+
+    # -- programs -------------------------------------------------------------------------
+    def prefill(self, tokens, lengths, cache, replay=None, chunk: int = PREFILL_CHUNK):
+        """Append each row's prompt to its cache; return next-token logits [B, V] and the
+        cache.
+
+        tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
+        A row with length 0 is left untouched (its logits are meaningless). Prompts longer
+        than `chunk` (a power of two) run chunk by chunk, each chunk seeing the cache the
+        previous ones wrote, so peak memory follows the chunk, not the prompt. `replay=R`
+        (CED configs) runs the decoder over only each row's last R prompt positions (True:
+        R = attention.window); local KV before them is absent, so logits deviate from exact
+        prefill unless R covers the prompt. `evaluations(cache)` then counts the
+        (position, layer) evaluations run.
+        """
+        cfg = self.cfg
+        replay = _check_replay(cfg, replay)
+        if chunk < MIN_BUCKET or chunk & (chunk - 1):
+            raise InputError(f"prefill: chunk must be a power of two >= {MIN_BUCKET}, "
+                             f"got {chunk}")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2:
+            raise InputError(f"tokens: expected [batch, time], got shape {tokens.shape}")
+        b, t = tokens.shape
+        lengths = (np.full((b,), t, np.int32) if lengths is None
+                   else np.asarray(lengths, np.int32))
+        if lengths.shape != (b,) or (lengths < 0).any() or (lengths > t).any():
+            raise InputError(f"lengths: expected {b} values in [0, {t}], "
+                             f"got {lengths.tolist()}")
+        for row in range(b):
+            check_tokens(tokens[row, : lengths[row]], cfg.model.vocab_size,
+                         f"tokens (row {row})")
+        max_len = cache_capacity(cache)
+        seen = self._known(cache)
+        if seen is None:
+            raise InputError("prefill runs on the host: call it outside jit, with a concrete "
+                             "cache")
+        start = seen.pos
+        _check_room(start, lengths, max_len, "prefill: prompt too long for the cache")
+        # Decoder positions kept under replay: each row's last R (absolute positions).
+        replay_from = (None if replay is None
+                       else jnp.asarray(start + lengths - replay, jnp.int32))
+        logits, evals = None, seen.evals
+        for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
+            n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+            width = bucket_length(int(n_new.max(initial=1)), max_len)
+            padded = np.zeros((b, width), np.int32)
+            part = tokens[:, c0: c0 + width]
+            padded[:, : part.shape[1]] = part
+            out, cache, e = self.prefill_fn(self.state, jnp.asarray(padded),
+                                            jnp.asarray(n_new), cache, replay, replay_from)
+            evals = evals + e
+            # Each row's logits come from the chunk holding its last prompt token.
+            logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None],
+                                                          out, logits)
+        check_cache(cache)
+        self._remember(cache, start + lengths, evals, seen.decode_evals)
+        return logits, cache
+
+    def decode_step(self, next_tokens, cache):
+        """Append one token per row; return next-token logits [B, V] and the updated cache.
+
+        Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
+        step stays free of host round trips. A row whose cache is full (max_len positions)
+        raises CacheExhausted before anything runs: the cache is then unchanged and still
+        valid. The check reads positions this engine already knows (from its prefill and
+        earlier steps); a cache it has not seen is read once.
+        """
+        if not isinstance(next_tokens, jax.Array):
+            check_tokens(next_tokens, self.cfg.model.vocab_size, "next_tokens")
+            next_tokens = np.asarray(next_tokens, np.int32).reshape(-1)
+        seen = self._known(cache)
+        if seen is not None:
+            _check_room(seen.pos, 1, cache_capacity(cache), "decode_step")
+        logits, cache = self.decode_unchecked(next_tokens, cache)
+        if seen is not None:  # every row ran one position in every layer
+            self._remember(cache, seen.pos + 1, seen.evals,
+                           seen.decode_evals + len(seen.pos) * self.cfg.model.n_layers)
+        return logits, cache
+
+    def decode_unchecked(self, next_tokens, cache):
+        """The compiled decode step alone: no validation and no host capacity check. A row
+        that would pass max_len is refused inside the step (it writes nothing, keeps its
+        position, gets NaN logits and is flagged for check_cache); the engine does not record
+        the returned cache (decode_step reads it once)."""
+        _running.engine = self
+        try:
+            return self._decode_fn(self.state, next_tokens, cache)
+        finally:
+            _running.engine = None
+
+    # -- sampling loop --------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, eos_id: int | None = None, stop=(), seed: int = 0,
+                 max_len: int | None = None, on_token=None):
+        """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
+
+        A row stops at `eos_id` (not included in its output) or once its output ends with one
+        of the `stop` token sequences (included). `on_token(row, token)` is called as tokens
+        are produced. Returns one list of new tokens per prompt. Row i's step-s draw uses
+        fold_in(fold_in(PRNGKey(seed), s), i): it does not depend on the other rows.
+        Parameters are checked before any work.
+        """
+        _check_sampling(temperature, top_p)
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise InputError(f"generate: max_new_tokens must be an integer >= 0, "
+                             f"got {max_new_tokens!r}")
+        vocab = self.cfg.model.vocab_size
+        if eos_id is not None:
+            check_tokens([eos_id], vocab, "eos_id")
+        stop = [list(s) for s in stop]
+        for s in stop:
+            check_tokens(s, vocab, "stop")
+        prompts = [list(p) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InputError("generate: every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        need = longest + max_new_tokens
+        # Default cache length: a power of two, so repeated calls share compiled programs.
+        max_len = max_len or max(64, 1 << (need - 1).bit_length())
+        if need > max_len:
+            raise InputError(f"generate: prompt ({longest}) + max_new_tokens "
+                             f"({max_new_tokens}) exceeds max_len {max_len}")
+        b = len(prompts)
+        tokens = np.zeros((b, longest), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        cache = self.init_cache(b, max_len)
+        logits, cache = self.prefill(tokens, [len(p) for p in prompts], cache)
+        key = jax.random.PRNGKey(seed)
+        outputs: list[list[int]] = [[] for _ in range(b)]
+        done = np.zeros(b, bool)
+        for step in range(max_new_tokens):
+            nxt = sample(logits, jax.random.fold_in(key, step), temperature, top_p)
+            host = np.asarray(jax.device_get(nxt))
+            for i in range(b):
+                if done[i]:
+                    continue
+                tok = int(host[i])
+                if eos_id is not None and tok == eos_id:
+                    done[i] = True
+                    continue
+                outputs[i].append(tok)
+                if on_token is not None:
+                    on_token(i, tok)
+                if any(s and outputs[i][-len(s):] == s for s in stop):
+                    done[i] = True
+            if done.all() or step == max_new_tokens - 1:
+                break
+            logits, cache = self.decode_step(nxt, cache)
+            check_cache(cache)  # cheap: this loop syncs on the sampled tokens anyway
+        return outputs
 
 
-# Jitted programs per graphdef (models of one config share them; looked up once per bind).
-_PROGRAMS: dict = {}
+Bound = Engine  # the old name
+
+# One engine per live model for the module functions (weak: it goes with the model).
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def bind(model) -> Bound:
-    if isinstance(model, Bound):
+def engine(model: Transformer | Engine) -> Engine:
+    """The model's engine, shared by the module functions and by every caller of engine(model)
+    (so its programs compile once), with the model's current weights (see Engine.refresh).
+    An engine is returned as it is."""
+    if isinstance(model, Engine):
         return model
-    graphdef, state = nnx.split(model)
-    # Plain nested dicts of arrays: jit flattens them in C++, while nnx Variables go through a
-    # Python callback each (~0.5 ms a step for a 10-layer tiny model).
-    state = nnx.to_pure_dict(state)
-    fns = _PROGRAMS.get(graphdef)
-    if fns is None:
-        # Distinct jit objects, so decode's compile count stands alone.
-        fns = _PROGRAMS[graphdef] = (
-            jax.jit(partial(_extend_impl, graphdef), static_argnums=4, donate_argnums=3),
-            jax.jit(partial(_decode_impl, graphdef), donate_argnums=2))
-    return Bound(graphdef, state, model.cfg, *fns)
+    eng = _ENGINES.get(model)
+    if eng is None:
+        eng = _ENGINES[model] = Engine(model)
+        return eng
+    return eng.refresh()
+
+
+bind = engine  # the old name
 
 
 def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
     """An empty cache for `batch` rows of up to `max_len` tokens (shapes only from cfg)."""
     if isinstance(cfg_or_model, Transformer):
         return cfg_or_model.init_cache(batch, max_len)
-    cfg = cfg_or_model.cfg if isinstance(cfg_or_model, Bound) else cfg_or_model
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    if isinstance(cfg_or_model, Engine):
+        return cfg_or_model.init_cache(batch, max_len)
+    model = nnx.eval_shape(lambda: Transformer(cfg_or_model, rngs=nnx.Rngs(0)))
     return model.init_cache(batch, max_len)
 
 
@@ -92,6 +374,7 @@ def bucket_length(n: int, max_len: int) -> int:
 
 
 def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from=None):
+    """(logits [B, V], cache, (position, layer) evaluations run)."""
     model = nnx.merge(graphdef, nnx.State(state))
     b, t = tokens.shape
     start = cache["pos"]
@@ -106,36 +389,16 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
                                     replay_from)
     logits = jnp.where(fits[:, None], model.logits(h), jnp.nan)
     return logits, {**cache, "pos": start + n_new, "overflow": cache["overflow"] | ~fits,
-                    "layers": layers, "evaluations": cache["evaluations"] + evals}
+                    "layers": layers}, evals
 
 
 def _decode_impl(graphdef, state, tokens, cache):
     # Shaping the tokens in here, not eagerly: each eager op costs ~0.1-0.5 ms of dispatch,
     # a sizeable share of a tiny model's step.
     tokens = tokens.astype(jnp.int32).reshape(-1, 1)
-    return _extend_impl(graphdef, state, tokens, jnp.ones(tokens.shape[:1], jnp.int32), cache)
-
-
-# Each cache's row positions as last known on the host, keyed by its `pos` array (immutable,
-# so the copy stays exact): decode_step checks capacity without waiting for the device.
-# Syncing on `pos` instead costs ~30% of a tiny model's step in an asynchronous loop.
-_HOST_POS: dict[int, np.ndarray] = {}
-
-
-def _host_pos(cache):
-    """Row positions [B] on the host (None under an outer jit: the compiled check applies)."""
-    pos = cache["pos"]
-    if isinstance(pos, jax.core.Tracer):
-        return None
-    known = _HOST_POS.get(id(pos))
-    return np.asarray(jax.device_get(pos)) if known is None else known
-
-
-def _remember_pos(cache, host) -> None:
-    pos = cache["pos"]
-    if id(pos) not in _HOST_POS:
-        weakref.finalize(pos, _HOST_POS.pop, id(pos), None)  # forgotten with the array
-    _HOST_POS[id(pos)] = host
+    logits, cache, _ = _extend_impl(graphdef, state, tokens,
+                                    jnp.ones(tokens.shape[:1], jnp.int32), cache)
+    return logits, cache
 
 
 def _check_room(start, n_new, max_len: int, who: str) -> None:
@@ -150,57 +413,27 @@ def _check_room(start, n_new, max_len: int, who: str) -> None:
                              f"(size it with init_cache(..., max_len=...))")
 
 
-def decode_compilations() -> int:
-    """How many distinct decode_step programs have been compiled in this process."""
-    return sum(decode._cache_size() for _, decode in _PROGRAMS.values())
-
-
-def prefill(model: Transformer | Bound, tokens, lengths, cache, replay=None,
+def prefill(model: Transformer | Engine, tokens, lengths, cache, replay=None,
             chunk: int = PREFILL_CHUNK):
-    """Append each row's prompt to its cache; return next-token logits [B, V] and the cache.
+    """`engine(model).prefill(...)`: next-token logits [B, V] and the cache (see
+    Engine.prefill)."""
+    return engine(model).prefill(tokens, lengths, cache, replay, chunk)
 
-    tokens: [B, T] ints (rows right-padded); lengths: [B] valid tokens per row (None: T).
-    A row with length 0 is left untouched (its logits are meaningless). Prompts longer than
-    `chunk` (a power of two) run chunk by chunk, each chunk seeing the cache the previous
-    ones wrote, so peak memory follows the chunk, not the prompt. `replay=R` (CED configs)
-    runs the decoder over only each row's last R prompt positions (True: R =
-    attention.window); local KV before them is absent, so logits deviate from exact prefill
-    unless R covers the prompt. `cache["evaluations"]` counts (position, layer) evaluations.
-    """
-    replay = _check_replay(model.cfg, replay)
-    if chunk < MIN_BUCKET or chunk & (chunk - 1):
-        raise InputError(f"prefill: chunk must be a power of two >= {MIN_BUCKET}, got {chunk}")
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2:
-        raise InputError(f"tokens: expected [batch, time], got shape {tokens.shape}")
-    b, t = tokens.shape
-    lengths = np.full((b,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    if lengths.shape != (b,) or (lengths < 0).any() or (lengths > t).any():
-        raise InputError(f"lengths: expected {b} values in [0, {t}], got {lengths.tolist()}")
-    for row in range(b):
-        check_tokens(tokens[row, : lengths[row]], model.cfg.model.vocab_size,
-                     f"tokens (row {row})")
-    max_len = cache_capacity(cache)
-    start = _host_pos(cache)
-    _check_room(start, lengths, max_len, "prefill: prompt too long for the cache")
-    m = bind(model)
-    # Decoder positions kept under replay: each row's last R (absolute positions).
-    replay_from = None if replay is None else jnp.asarray(start + lengths - replay, jnp.int32)
-    logits = None
-    for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
-        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
-        width = bucket_length(int(n_new.max(initial=1)), max_len)
-        padded = np.zeros((b, width), np.int32)
-        part = tokens[:, c0: c0 + width]
-        padded[:, : part.shape[1]] = part
-        out, cache = m.prefill_fn(m.state, jnp.asarray(padded), jnp.asarray(n_new), cache,
-                                  replay, replay_from)
-        # Each row's logits come from the chunk holding its last prompt token.
-        logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None], out,
-                                                      logits)
-    check_cache(cache)
-    _remember_pos(cache, start + lengths)
-    return logits, cache
+
+def decode_step(model: Transformer | Engine, next_tokens, cache):
+    """`engine(model).decode_step(...)`: next-token logits [B, V] and the cache (see
+    Engine.decode_step)."""
+    return engine(model).decode_step(next_tokens, cache)
+
+
+def generate(model: Transformer | Engine, prompts, max_new_tokens: int, *,
+             temperature: float = 0.0, top_p: float = 1.0, eos_id: int | None = None, stop=(),
+             seed: int = 0, max_len: int | None = None, on_token=None):
+    """`engine(model).generate(...)`: one list of new tokens per prompt (see
+    Engine.generate)."""
+    return engine(model).generate(prompts, max_new_tokens, temperature=temperature,
+                                  top_p=top_p, eos_id=eos_id, stop=stop, seed=seed,
+                                  max_len=max_len, on_token=on_token)
 
 
 def _check_replay(cfg, replay):
@@ -239,28 +472,6 @@ def check_cache(cache) -> None:
             paged.check(layer["global"])
 
 
-def decode_step(model: Transformer | Bound, next_tokens, cache):
-    """Append one token per row; return next-token logits [B, V] and the updated cache.
-
-    Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
-    step stays free of host round trips. A row whose cache is full (max_len positions)
-    raises CacheExhausted before anything runs: the cache is then unchanged and still
-    valid. The check reads positions the host already knows (from prefill and earlier
-    steps; a cache it has not seen is read once).
-    """
-    if not isinstance(next_tokens, jax.Array):
-        check_tokens(next_tokens, model.cfg.model.vocab_size, "next_tokens")
-        next_tokens = np.asarray(next_tokens, np.int32).reshape(-1)
-    pos = _host_pos(cache)
-    if pos is not None:
-        _check_room(pos, 1, cache_capacity(cache), "decode_step")
-    m = bind(model)
-    logits, cache = m.decode_fn(m.state, next_tokens, cache)
-    if pos is not None:
-        _remember_pos(cache, pos + 1)
-    return logits, cache
-
-
 # ------------------------------------------------------------------------------ sampling
 @partial(jax.jit, static_argnames=("greedy",))
 def _sample(logits, key, temperature, top_p, greedy: bool):
@@ -296,66 +507,3 @@ def sample(logits, key, temperature: float = 0.0, top_p: float = 1.0):
     _check_sampling(temperature, top_p)
     return _sample(logits, key, jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
                    greedy=temperature == 0)
-
-
-def generate(model: Transformer, prompts, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | None = None, stop=(), seed: int = 0,
-             max_len: int | None = None, on_token=None):
-    """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
-
-    A row stops at `eos_id` (not included in its output) or once its output ends with one
-    of the `stop` token sequences (included). `on_token(row, token)` is called as tokens
-    are produced. Returns one list of new tokens per prompt. Row i's step-s draw uses
-    fold_in(fold_in(PRNGKey(seed), s), i): it does not depend on the other rows.
-    Parameters are checked before any work.
-    """
-    _check_sampling(temperature, top_p)
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InputError(f"generate: max_new_tokens must be an integer >= 0, "
-                         f"got {max_new_tokens!r}")
-    vocab = model.cfg.model.vocab_size
-    if eos_id is not None:
-        check_tokens([eos_id], vocab, "eos_id")
-    stop = [list(s) for s in stop]
-    for s in stop:
-        check_tokens(s, vocab, "stop")
-    prompts = [list(p) for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise InputError("generate: every prompt needs at least one token")
-    longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens
-    # Default cache length: a power of two, so repeated calls share compiled programs.
-    max_len = max_len or max(64, 1 << (need - 1).bit_length())
-    if need > max_len:
-        raise InputError(f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds max_len {max_len}")
-    b = len(prompts)
-    tokens = np.zeros((b, longest), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    cache = init_cache(model, b, max_len)
-    model = bind(model)  # split once for the whole loop
-    logits, cache = prefill(model, tokens, [len(p) for p in prompts], cache)
-    key = jax.random.PRNGKey(seed)
-    outputs: list[list[int]] = [[] for _ in range(b)]
-    done = np.zeros(b, bool)
-    for step in range(max_new_tokens):
-        nxt = sample(logits, jax.random.fold_in(key, step), temperature, top_p)
-        host = np.asarray(jax.device_get(nxt))
-        for i in range(b):
-            if done[i]:
-                continue
-            tok = int(host[i])
-            if eos_id is not None and tok == eos_id:
-                done[i] = True
-                continue
-            outputs[i].append(tok)
-            if on_token is not None:
-                on_token(i, tok)
-            if any(s and outputs[i][-len(s):] == s for s in stop):
-                done[i] = True
-        if done.all() or step == max_new_tokens - 1:
-            break
-        logits, cache = decode_step(model, nxt, cache)
-        check_cache(cache)  # cheap: this loop syncs on the sampled tokens anyway
-    return outputs

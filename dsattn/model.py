@@ -100,7 +100,6 @@ class Transformer(nnx.Module):
         return {"pos": jnp.zeros((batch,), jnp.int32),
                 "capacity": jnp.zeros((max_len, 0), jnp.bool_),
                 "overflow": jnp.zeros((batch,), jnp.bool_),
-                "evaluations": jnp.zeros((), jnp.int32),  # (position, layer) pairs run
                 "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
 
     def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None,

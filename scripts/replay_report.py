@@ -38,11 +38,12 @@ def load(source: str, overrides):
     return Transformer(cfg, rngs=nnx.Rngs(0)), cfg, f"{path} (untrained)"
 
 
-def prefill_logits(model, tokens, replay):
+def prefill_logits(engine, tokens, replay):
+    """Next-token logits of a prefill and its (position, layer) evaluation count."""
     b, t = tokens.shape
-    cache = generate.init_cache(model, b, t)
-    logits, cache = generate.prefill(model, tokens, [t] * b, cache, replay=replay)
-    return np.asarray(logits, np.float64), int(cache["evaluations"])
+    cache = engine.init_cache(b, t)
+    logits, cache = engine.prefill(tokens, [t] * b, cache, replay=replay)
+    return np.asarray(logits, np.float64), engine.evaluations(cache)
 
 
 def deviation(exact, other):
@@ -84,15 +85,15 @@ def main(argv=None):
     t = args.prompt_len
     starts = np.linspace(0, len(corpus.val) - t - 1, args.prompts).astype(int)
     tokens = np.stack([corpus.val[s: s + t] for s in starts]).astype(np.int32)
-    model = generate.bind(model)
-    exact, ev_exact = prefill_logits(model, tokens, None)
+    engine = generate.engine(model)
+    exact, ev_exact = prefill_logits(engine, tokens, None)
     rows = []
     print(f"{what}: {args.prompts} validation prompts of {t} tokens; encoder {enc} layers, "
           f"decoder {dec}; window {cfg.attention.window}")
     print(f"{'R':>6} {'max|dlogit|':>12} {'mean KL':>10} {'argmax=':>8} {'evals':>8} "
           f"{'enc*T+dec*R':>12}")
     for r in args.replays:
-        logits, ev = prefill_logits(model, tokens, r)
+        logits, ev = prefill_logits(engine, tokens, r)
         row = {"R": r, **deviation(exact, logits), "evaluations_per_prompt": ev // args.prompts,
                "formula": enc * t + dec * min(r, t)}
         rows.append(row)
@@ -105,7 +106,7 @@ def main(argv=None):
     n = args.timing_len
     timing = None
     if n:
-        timing = time_prefill(model, cfg, corpus, n, enc, dec)
+        timing = time_prefill(engine, cfg, corpus, n, enc, dec)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"source": what, "prompt_len": t, "rows": rows,
@@ -114,14 +115,14 @@ def main(argv=None):
     return rows
 
 
-def time_prefill(model, cfg, corpus, n, enc, dec):
+def time_prefill(engine, cfg, corpus, n, enc, dec):
     """Wall time of one exact and one replay (R = window) prefill of an n-token prompt."""
     long = np.asarray(corpus.val[: n], np.int32)[None]
     w = cfg.attention.window
 
     def run(replay):
-        cache = generate.init_cache(cfg, 1, n)
-        return generate.prefill(model, long, [n], cache, replay=replay)[0]
+        cache = engine.init_cache(1, n)
+        return engine.prefill(long, [n], cache, replay=replay)[0]
 
     t_exact = timed(lambda: run(None))
     t_replay = timed(lambda: run(w))

@@ -67,10 +67,10 @@ def test_cache_refuses_positions_past_max_len(name):
 
 def test_ragged_rows_and_the_compiled_check():
     """A full row blocks decode_step for the batch (the cache stays usable: the other row
-    goes on through prefill). Callers that bypass decode_step's host check (the Bound's own
-    program) meet the check inside the compiled step: a full row writes nothing, keeps its
-    position, gets NaN logits and is flagged; the other rows step normally; check_cache
-    raises."""
+    goes on through prefill). Callers that bypass decode_step's host check (the engine's
+    decode_unchecked) meet the check inside the compiled step: a full row writes nothing,
+    keeps its position, gets NaN logits and is flagged; the other rows step normally;
+    check_cache raises."""
     model = small("mla")
     toks = np.random.RandomState(1).randint(0, 256, (2, MAX_LEN))
     cache = generate.init_cache(model, 2, MAX_LEN)
@@ -81,8 +81,8 @@ def test_ragged_rows_and_the_compiled_check():
     assert_same(cache, before)
     _, cache = generate.prefill(model, toks[:, 4:6], [0, 2], cache)
     layers = snapshot(cache["layers"])
-    bound = generate.bind(model)
-    logits, cache = bound.decode_fn(bound.state, np.array([7, toks[1, 6]], np.int32), cache)
+    step = generate.engine(model).decode_unchecked
+    logits, cache = step(np.array([7, toks[1, 6]], np.int32), cache)
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all()
     np.testing.assert_allclose(logits[1], np.asarray(forward(model, toks[1:2, :7]))[0, 6],
