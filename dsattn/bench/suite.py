@@ -58,6 +58,8 @@ def run(settings: Settings, config_dir, log=_quiet) -> dict:
 
     s = settings
     t0 = time.time()
+    if s.peer not in (None, "hf"):
+        raise ValueError(f"bench: unknown peer {s.peer!r} (known: hf)")
     # Every config first: a typo fails before minutes of measuring.
     cfgs = {name: measures.bench_config(name, s.depth, *s.overrides, config_dir=config_dir)
             for name in s.presets}
@@ -101,8 +103,6 @@ def run(settings: Settings, config_dir, log=_quiet) -> dict:
         del model
     if s.peer == "hf":
         result["peer"] = run_peer(s, config_dir, log)
-    elif s.peer is not None:
-        raise ValueError(f"bench: unknown peer {s.peer!r} (known: hf)")
     result["targets"] = report.check_targets(result)
     result["wall_s"] = time.time() - t0
     return result
