@@ -28,6 +28,65 @@ from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  #
 # Sections that define the weights' shapes and meaning; `train`/`data` may change on resume.
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 
+# Parameters that moved when attention layers were composed from a source and a selector
+# (dsattn.plan): old name inside a block's `attn` -> new path. Checkpoints saved before
+# restore into today's layout (params and the optimizer's moments alike).
+MOVED_IN_ATTN = {
+    "compressor": ("source", "compressor"),
+    "key_compressor": ("source", "keys", "compressor"),
+    "key_proj": ("source", "keys", "key_proj"),
+    "key_norm": ("source", "keys", "key_norm"),
+    "source_norm": ("source", "source_norm"),
+    "index_q": ("selector", "index_q"),
+}
+
+
+def _map_attn(tree, fn):
+    """`tree` with fn applied to every dict found under an "attn" key (any nesting of dicts,
+    lists and (named) tuples, as params and optax states are)."""
+    if isinstance(tree, dict):
+        return {k: fn(_map_attn(v, fn)) if k == "attn" and isinstance(v, dict)
+                else _map_attn(v, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_attn(v, fn) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_attn(v, fn) for v in tree)
+    return tree
+
+
+def _upgrade_attn(attn: dict) -> dict:
+    out: dict = {}
+    for key, value in attn.items():
+        *parents, leaf = MOVED_IN_ATTN.get(key, (key,))
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _downgrade_attn(attn: dict) -> dict:
+    out = dict(attn)
+    for old, path in MOVED_IN_ATTN.items():
+        node = out
+        for p in path[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            out[old] = node[path[-1]]
+    for group in {path[0] for path in MOVED_IN_ATTN.values()}:
+        out.pop(group, None)
+    return out
+
+
+def legacy_layout(tree):
+    """A params or optimizer-state tree in the layout saved before the layer plan."""
+    return _map_attn(tree, _downgrade_attn)
+
+
+def current_layout(tree):
+    """A tree saved before the layer plan, in today's layout (inverse of legacy_layout)."""
+    return _map_attn(tree, _upgrade_attn)
+
 
 class RunDirLock:
     """One writer per run directory: an exclusive flock on `run_dir/.lock`, which holds the
@@ -174,10 +233,15 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
     from `like` is CheckpointMismatch, not damage: every step of a run has the same tree.
     """
     skipped = []
+    legacy = {k: legacy_layout(v) for k, v in like.items()}
+    moved = jax.tree.structure(legacy) != jax.tree.structure(like)
     for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
         try:
             differences = _tree_differences(mngr, step, like)
-            if not differences:
+            if differences and moved and not _tree_differences(mngr, step, legacy):
+                differences = []  # saved before the layer plan: restore, then rename
+                items = {k: current_layout(v) for k, v in restore(mngr, step, **legacy).items()}
+            elif not differences:
                 items = restore(mngr, step, **like)
         except Exception as e:  # noqa: BLE001 (any failure to read is a damaged checkpoint)
             skipped.append((step, _reason(e)))

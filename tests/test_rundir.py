@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from dsattn import checkpoint, errors, train
-from tests.helpers import ROOT, preset
+from tests.helpers import ROOT, forward, preset
 
 TINY = ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.batch_size=2",
         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1")
@@ -197,3 +197,25 @@ def test_records_carry_lr_and_time_and_throughput_without_compile(trained):
     clock = 4 * 2 * 32 / (times[4] - times[0])
     assert np.median([r["tokens_per_s"] for r in rows[1:5]]) > 0.3 * clock
     assert rows[0]["tokens_per_s"] > 0.005 * clock, (rows[0]["tokens_per_s"], clock)
+
+
+def test_run_saved_before_the_layer_plan_loads_and_resumes(tmp_path):
+    """tests/data/legacy_run was trained and saved by the code before the layer plan moved
+    attention parameters under `source`/`selector` (its make.py, run at commit 46aea4e),
+    with the logits that code computed; it has a layer of every kind that moved."""
+    run = tmp_path / "legacy"
+    shutil.copytree(os.path.join(ROOT, "tests", "data", "legacy_run"), run)
+    model, cfg, step = checkpoint.load_params(run)
+    tokens = np.load(run / "legacy_tokens.npy")
+    np.testing.assert_allclose(np.asarray(forward(model, tokens)),
+                               np.load(run / "legacy_logits.npy"), rtol=0, atol=1e-5)
+    # What a resuming Trainer restores: parameters and the optimizer's moments.
+    params = nnx.to_pure_dict(nnx.state(model))
+    like = {"params": params, "opt_state": train.make_optimizer(cfg).init(params)}
+    got_step, items = checkpoint.restore_latest(checkpoint.manager(run, keep=2), **like)
+    assert got_step == step == 2
+    assert jax.tree.structure(items) == jax.tree.structure(like)
+    adam = [s for s in jax.tree.leaves(items["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+            if hasattr(s, "mu")][0]
+    moved = adam.mu["blocks"][4]["attn"]["source"]["compressor"]  # a full layer's compressor
+    assert any(float(np.abs(x).max()) > 0 for x in jax.tree.leaves(moved))  # trained moments
