@@ -49,6 +49,12 @@ def bench_config(name: str, depth: int | None, *overrides: str, config_dir):
 
 
 # ------------------------------------------------------------------------------ contexts
+def _paged_fields(attn):
+    """The fields of a layer's paged global cache: a V4 layer's entry source's, DSA's own."""
+    source = getattr(attn, "source", None)
+    return (source if source is not None else attn).fields
+
+
 def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) -> dict:
     """The cache after n tokens per row, with random values: ``pos`` = n, ring slots hold
     positions n-W..n-1, each global cache holds n // ratio complete entries (appended through
@@ -84,8 +90,9 @@ def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) ->
             elif name == "global":
                 ratio = getattr(attn, "ratio", 1) or 1
                 e = n // ratio
-                new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in attn.fields.items()}
-                append = jax.jit(lambda p, x, k, f=attn.fields: paged.append(p, f, x, k))
+                fields = _paged_fields(attn)
+                new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in fields.items()}
+                append = jax.jit(lambda p, x, k, f=fields: paged.append(p, f, x, k))
                 lc[name] = append(part, new, jnp.full((b,), e, jnp.int32))  # one compile
             elif name not in ("comp", "key_comp"):  # contiguous caches: every leaf
                 lc[name] = jax.tree.map(lambda a: rand(a.shape, a.dtype), part)
@@ -104,24 +111,24 @@ def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
                 warmup: int = 2) -> dict:
     """Median decode step (ms) with `context` tokens cached per row; first-call time and the
     number of decode programs compiled for it."""
-    bound = generate.bind(model)
+    eng = generate.engine(model)
     cache = generate.init_cache(model, batch, context + warmup + steps + 1)
     cache = synthetic_context(model, cache, context)
     jax.block_until_ready(cache)
     tok = jnp.zeros((batch,), jnp.int32)
     compiled_before = generate.decode_compilations()
     t0 = time.perf_counter()
-    logits, cache = generate.decode_step(bound, tok, cache)
+    logits, cache = generate.decode_step(eng, tok, cache)
     logits.block_until_ready()
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
-        logits, cache = generate.decode_step(bound, jnp.argmax(logits, -1), cache)
+        logits, cache = generate.decode_step(eng, jnp.argmax(logits, -1), cache)
     logits.block_until_ready()
     times = []
     for _ in range(steps):
         tok = jnp.argmax(logits, -1).astype(jnp.int32).block_until_ready()
         t0 = time.perf_counter()
-        logits, cache = generate.decode_step(bound, tok, cache)
+        logits, cache = generate.decode_step(eng, tok, cache)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
     generate.check_cache(cache)
@@ -153,17 +160,17 @@ def time_prefill(model: Transformer, n: int, replay=None,
     """Seconds for one n-token prompt (batch 1) after a compile run of one chunk, and the
     process's peak RSS above its level before the prompt (the empty cache included), read
     from /proc (None where it cannot be reset)."""
-    bound = generate.bind(model)
+    eng = generate.engine(model)
     toks = np.random.RandomState(seed).randint(0, model.cfg.model.vocab_size, (1, n))
     # Compile on the same shapes: the first chunk into a cache of the same capacity.
     warm = generate.init_cache(model, 1, n)
     width = min(n, chunk)
-    generate.prefill(bound, toks[:, :width], [width], warm, replay=replay,
+    generate.prefill(eng, toks[:, :width], [width], warm, replay=replay,
                      chunk=chunk)[0].block_until_ready()
     if n % chunk and n > chunk:  # the tail bucket compiles too
         tail = n % chunk
         warm = generate.init_cache(model, 1, n)
-        generate.prefill(bound, toks[:, :tail], [tail], warm, replay=replay,
+        generate.prefill(eng, toks[:, :tail], [tail], warm, replay=replay,
                          chunk=chunk)[0].block_until_ready()
     del warm
     cache = generate.init_cache(model, 1, n)
@@ -171,12 +178,12 @@ def time_prefill(model: Transformer, n: int, replay=None,
     base = _rss_bytes("VmRSS")
     ok = _reset_peak_rss()
     t0 = time.perf_counter()
-    logits, cache = generate.prefill(bound, toks, [n], cache, replay=replay, chunk=chunk)
+    logits, cache = generate.prefill(eng, toks, [n], cache, replay=replay, chunk=chunk)
     logits.block_until_ready()
     seconds = time.perf_counter() - t0
     peak = _rss_bytes("VmHWM") - base if ok else None
     return {"seconds": seconds, "tokens_per_s": n / seconds, "peak_rss_bytes": peak,
-            "evaluations": int(cache["evaluations"])}
+            "evaluations": eng.evaluations(cache)}
 
 
 def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
