@@ -140,14 +140,17 @@ def save_config(run_dir: Path, cfg) -> None:
 def saved_config(run_dir) -> dict | None:
     """The run directory's config.yaml as a plain dict (None if there is none)."""
     path = Path(run_dir) / "config.yaml"
-    return yaml.safe_load(path.read_text()) if path.exists() else None
+    return config_lib.upgrade_saved(yaml.safe_load(path.read_text())) if path.exists() else None
 
 
 def load_run_config(run_dir, overrides=()):
-    path = Path(run_dir) / "config.yaml"
-    if not path.exists():
+    """The Config a run directory was trained with (keys renamed since then read as today's),
+    plus `overrides`."""
+    raw = saved_config(run_dir)
+    if raw is None:
         raise FileNotFoundError(f"{run_dir}: no config.yaml; is this a dsattn run directory?")
-    return config_lib.load(path, overrides)
+    raw.setdefault("name", Path(run_dir).name)
+    return config_lib.from_dict(raw, overrides)
 
 
 def check_compatible(run_dir: Path, cfg) -> None:

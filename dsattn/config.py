@@ -50,7 +50,7 @@ class ModelConfig:
 class AttentionConfig:
     layers: tuple[str, ...] = ("mha",)  # one kind per layer (or one kind for all layers)
     n_heads: int = 4
-    head_dim: int = 32  # per-head dim (mha); entry width c (V4 family)
+    head_dim: int = 32  # per-head dim of mha/gqa/mqa
     n_kv_heads: int = 0  # mha/gqa/mqa; 0 means n_heads
     rope_theta: float = 10000.0
     # MLA (V2/V3/V3.2)
@@ -60,6 +60,7 @@ class AttentionConfig:
     qk_rope_dim: int = 16
     v_head_dim: int = 32
     # V4 family
+    entry_dim: int = 32  # entry width c: each head's query, the window KV, compressed entries
     rope_dim: int = 16  # RoPE on the last rope_dim dims of queries and entries
     window: int = 16
     o_groups: int = 1
@@ -88,7 +89,7 @@ class IndexerConfig:
     dense_warmup_steps: int = 0
     impl: str = "auto"
     interpret: bool = False
-    topk: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may pick differently
+    topk_method: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may differ
 
 
 @dataclass(frozen=True)
@@ -244,11 +245,32 @@ def _parse_scalar(v):
     return v
 
 
+# Keys renamed since run directories were first written: (section, old) -> new.
+RENAMED = {("indexer", "topk"): "topk_method"}
+
+
+def upgrade_saved(raw: dict) -> dict:
+    """A config dict a run directory saved (`Config.to_yaml`) in today's keys. A dump lists
+    every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
+    was then `attention.head_dim`."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    att = raw.get("attention")
+    if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
+        att["entry_dim"] = att["head_dim"]
+    for (section, old), new in RENAMED.items():
+        sec = raw.get(section)
+        if isinstance(sec, dict) and old in sec:
+            sec[new] = sec.pop(old)
+    return raw
+
+
 def _build_section(cls, raw: dict, section: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in raw.items():
+        if (section, k) in RENAMED:
+            raise ConfigError(f"{section}.{k}: renamed to {section}.{RENAMED[section, k]}")
         if k not in names:
             raise ConfigError(
                 f"{section}.{k}: unknown key; valid keys in '{section}' are: {', '.join(names)}"
@@ -365,11 +387,11 @@ def validate(cfg: Config) -> None:
     indexed = any(s.kind.scans_keys for s in plan.resolve(cfg))
 
     _positive(a.n_heads, "attention.n_heads")
-    _positive(a.head_dim, "attention.head_dim")
     if a.n_kv_heads < 0:
         raise ConfigError(f"attention.n_kv_heads: must be >= 0 (0: n_heads), got {a.n_kv_heads}")
     _above_zero(a.rope_theta, "attention.rope_theta")
     if Family.MHA in fams:
+        _positive(a.head_dim, "attention.head_dim")
         kv = a.n_kv_heads or a.n_heads
         if a.n_heads % kv:
             raise ConfigError(
@@ -385,6 +407,7 @@ def validate(cfg: Config) -> None:
     if a.q_lora_rank < 0:
         raise ConfigError(f"attention.q_lora_rank: must be >= 0, got {a.q_lora_rank}")
     if Family.V4 in fams:
+        _positive(a.entry_dim, "attention.entry_dim")
         _positive(a.window, "attention.window")
         _positive(a.q_lora_rank, "attention.q_lora_rank")
         _positive(a.o_groups, "attention.o_groups")
@@ -393,9 +416,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"attention.o_groups: {a.o_groups} must divide attention.n_heads={a.n_heads}"
             )
-        if not 0 < a.rope_dim <= a.head_dim or a.rope_dim % 2:
+        if not 0 < a.rope_dim <= a.entry_dim or a.rope_dim % 2:
             raise ConfigError(
-                f"attention.rope_dim: must be even and in (0, head_dim={a.head_dim}], "
+                f"attention.rope_dim: must be even and in (0, entry_dim={a.entry_dim}], "
                 f"got {a.rope_dim}"
             )
         _above_zero(a.compress_rope_theta, "attention.compress_rope_theta")
@@ -420,7 +443,7 @@ def validate(cfg: Config) -> None:
             )
     _choice(ix.key_norm, KEY_NORMS, "indexer.key_norm")
     _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
-    _choice(ix.topk, INDEXER_TOPK, "indexer.topk")
+    _choice(ix.topk_method, INDEXER_TOPK, "indexer.topk_method")
     if ix.dense_warmup_steps < 0:
         raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
     _at_least_zero(ix.loss_weight, "indexer.loss_weight")

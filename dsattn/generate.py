@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsattn import plan
 from dsattn.cache import paged
 from dsattn.errors import CacheExhausted, InputError
 from dsattn.model import Transformer, check_tokens
@@ -447,12 +448,12 @@ def _check_replay(cfg, replay):
     replay = a.window if replay is True else int(replay)
     if replay < 1:
         raise InputError(f"prefill: replay must be >= 1 positions, got {replay}")
-    bad = [(i, k) for i, k in enumerate(a.layers[a.ced_split:], a.ced_split)
-           if k not in ("swa", "full", "reindex", "reuse")]
+    bad = [s for s in plan.resolve(cfg) if s.decoder and not s.kind.replayable]
     if bad:
-        raise InputError(f"prefill(replay=...): decoder layer {bad[0][0]} ({bad[0][1]}) would "
-                         f"miss global KV for skipped positions; only swa/full/reindex/reuse "
-                         f"decoders can replay")
+        ok = "/".join(k.name for k in plan.KINDS.values() if k.replayable)
+        raise InputError(f"prefill(replay=...): decoder layer {bad[0].index} ({bad[0].name}) "
+                         f"would miss global KV for skipped positions; only {ok} decoders can "
+                         f"replay")
     return replay
 
 

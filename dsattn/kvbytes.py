@@ -8,8 +8,8 @@ cache formats (``cfg.cache``) or, with ``bf16=True``, with every vector stored i
     mha      2 * n_kv_heads * bpv(main, head_dim)              (K and V of every KV head)
     mla      bpv(main, kv_lora_rank + qk_rope_dim, rope=qk_rope_dim)
     dsa      mla + bpv(key, indexer.head_dim, rope=indexer.rope_dim)
-    csa/full (bpv(main, head_dim, rope_dim) + bpv(key, ix.head_dim, ix.rope_dim)) / ratio
-    hca      bpv(main, head_dim, rope_dim) / ratio
+    csa/full (bpv(main, entry_dim, rope_dim) + bpv(key, ix.head_dim, ix.rope_dim)) / ratio
+    hca      bpv(main, entry_dim, rope_dim) / ratio
     swa/reindex/reuse  0   (no global cache of their own: window only, or borrowed)
 
 Every V4-family layer (swa/hca/csa/full/reindex/reuse) also keeps a local window of W

@@ -229,7 +229,7 @@ def expand(cfg) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def _vectors(cfg, k: Kind):
     """(local, entry, own key) vectors of a layer of kind `k`."""
     a, ix = cfg.attention, cfg.indexer
-    local = Vector(Role.LOCAL, a.head_dim, a.rope_dim) if k.window else None
+    local = Vector(Role.LOCAL, a.entry_dim, a.rope_dim) if k.window else None
     if k.family is Family.MHA:
         entry = Vector(Role.MAIN, a.head_dim, 0, 2 * (a.n_kv_heads or a.n_heads))
     elif k.family in (Family.MLA, Family.DSA):
@@ -237,7 +237,7 @@ def _vectors(cfg, k: Kind):
     elif k.source is Source.NONE:
         entry = None
     else:
-        entry = Vector(Role.MAIN, a.head_dim, a.rope_dim)
+        entry = Vector(Role.MAIN, a.entry_dim, a.rope_dim)
     key = Vector(Role.KEY, ix.head_dim, ix.rope_dim) if k.scans_keys else None
     return local, entry, key
 

@@ -27,7 +27,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli, kvbytes
+from dsattn import checkpoint, cli, kvbytes
 from dsattn.config import load as load_preset
 
 GIB = 2**30
@@ -62,9 +62,7 @@ def load(path, overrides=()):
     """A preset file, or a run directory's config.yaml."""
     path = Path(path)
     if path.is_dir():
-        if not (path / "config.yaml").exists():
-            raise FileNotFoundError(f"{path}: no config.yaml; is this a dsattn run directory?")
-        path = path / "config.yaml"
+        return checkpoint.load_run_config(path, overrides)
     return load_preset(path, overrides)
 
 

@@ -22,14 +22,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dsattn import cli, config, data, generate  # noqa: E402
+from dsattn import checkpoint, cli, config, data, generate  # noqa: E402
 from dsattn.errors import ConfigError  # noqa: E402
 from dsattn.model import Transformer  # noqa: E402
 
 
 def load(source: str, overrides):
     path = Path(source)
-    cfg = config.load(path / "config.yaml" if path.is_dir() else path, overrides)
+    cfg = (checkpoint.load_run_config(path, overrides) if path.is_dir()
+           else config.load(path, overrides))
     if not cfg.attention.ced_split:  # before restoring any weights
         raise ConfigError(f"{source}: replay needs a CED config (attention.ced_split > 0)")
     if path.is_dir():

@@ -1,6 +1,6 @@
 """Every indexed preset decodes through the Pallas score kernels (TPU and GPU variants, both
 interpreted on CPU) with the same logits as the XLA path; `indexer.impl` dispatch and its
-errors; `indexer.topk=approx` (approx_max_k) selects what exact top-k selects without ties."""
+errors; `indexer.topk_method=approx` (approx_max_k) selects what exact top-k selects without ties."""
 
 from functools import lru_cache
 
@@ -83,7 +83,7 @@ def test_approx_topk_selects_the_exact_set_on_tie_free_scores():
     visible = visible.at[0, 0].set(True)
     for k in (1, 8, 50):
         exact = indexer.select(score, visible, k)
-        approx = indexer.select(score, visible, k, topk="approx")
+        approx = indexer.select(score, visible, k, method="approx")
         np.testing.assert_array_equal(np.asarray(approx[1]).sum(-1), np.asarray(exact[1]).sum(-1))
         for e_idx, e_ok, a_idx, a_ok in zip(*(np.asarray(a).reshape(12, -1)
                                               for a in exact + approx)):
@@ -93,10 +93,13 @@ def test_approx_topk_selects_the_exact_set_on_tie_free_scores():
 def test_topk_config_names_allowed_values():
     from dsattn.config import ConfigError
 
-    with pytest.raises(ConfigError, match="indexer.topk: 'fast' is not one of: exact, approx"):
-        preset("dsa", "indexer.topk=fast")
+    with pytest.raises(ConfigError, match="indexer.topk_method: 'fast' is not one of: exact, "
+                                          "approx"):
+        preset("dsa", "indexer.topk_method=fast")
+    with pytest.raises(ConfigError, match="indexer.topk: renamed to indexer.topk_method"):
+        preset("dsa", "indexer.topk=approx")
 
 
 def test_approx_topk_decode_equals_exact():
-    np.testing.assert_allclose(preset_logits("dsa", "indexer.topk=approx"),
+    np.testing.assert_allclose(preset_logits("dsa", "indexer.topk_method=approx"),
                                preset_logits("dsa", "indexer.impl=xla"), atol=2e-4, rtol=2e-4)

@@ -149,7 +149,7 @@ model: {n_layers: 6}
 attention:
   layers: "swa, csa, hca, full, reindex, reuse"
   ratios: "0, 4, 8, 2, 2, 2"
-  head_dim: 64
+  entry_dim: 64
   rope_dim: 16
   q_lora_rank: 32
   window: 16

@@ -124,7 +124,7 @@ def test_build_matches_shape():
                                 "heavily_compressed_attention": cfg.attention.hca_ratio}
     assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.qk_rope_head_dim,
             c.sliding_window) == (cfg.model.d_model, cfg.attention.n_heads,
-                                  cfg.attention.head_dim, cfg.attention.rope_dim,
+                                  cfg.attention.entry_dim, cfg.attention.rope_dim,
                                   cfg.attention.window)
     assert (c.index_n_heads, c.index_head_dim) == (cfg.indexer.n_heads, cfg.indexer.head_dim)
     with pytest.raises(ValueError, match="only swa/csa/hca"):

@@ -53,7 +53,7 @@ class GroupedOutput(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
         dt = jnp.dtype(m.dtype)
-        self.g, self.h, self.c = a.o_groups, a.n_heads, a.head_dim
+        self.g, self.h, self.c = a.o_groups, a.n_heads, a.entry_dim
         group_in = (self.h // self.g) * self.c
         init = nnx.initializers.normal(m.init_std)
         self.wo_a = nnx.Param(init(rngs.params(), (self.g, group_in, a.o_lora_rank), dt))

@@ -51,23 +51,23 @@ def gathered_scores(q, w, keys):
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
 
 
-def select(score, visible, k: int, topk: str = "exact"):
+def select(score, visible, k: int, method: str = "exact"):
     """Top-k entry indices [B, T, k] among the visible ones, and which picks are real.
 
-    ``topk="exact"``: lax.top_k, ties break toward the lowest index (it is stable).
-    ``topk="approx"``: lax.approx_max_k with recall_target=1.0, for TPU, where it runs the
+    ``method="exact"``: lax.top_k, ties break toward the lowest index (it is stable).
+    ``method="approx"``: lax.approx_max_k with recall_target=1.0, for TPU, where it runs the
     partial-reduce top-k instead of a sort; it returns the same set on tie-free scores, but
     which of several tied entries it picks is unspecified (order may differ as well).
     When fewer than k entries are visible the extra picks are marked invalid.
     """
     k = min(k, score.shape[-1])
     masked = jnp.where(visible, score, -jnp.inf)
-    if topk == "approx":
+    if method == "approx":
         vals, idx = jax.lax.approx_max_k(masked, k, recall_target=1.0)
-    elif topk == "exact":
+    elif method == "exact":
         vals, idx = jax.lax.top_k(masked, k)
     else:
-        raise ValueError(f"indexer.select: topk={topk!r} is not one of: exact, approx")
+        raise ValueError(f"indexer.select: method={method!r} is not one of: exact, approx")
     return idx.astype(jnp.int32), vals > -jnp.inf
 
 

@@ -14,8 +14,8 @@ class LocalKV(nnx.Module):
         a, m = cfg.attention, cfg.model
         dt = jnp.dtype(m.dtype)
         self.rope_dim = a.rope_dim
-        self.wkv = dense(m.d_model, a.head_dim, rngs, dt, m.init_std)
-        self.norm = RMSNorm(a.head_dim, m.norm_eps, dtype=dt)
+        self.wkv = dense(m.d_model, a.entry_dim, rngs, dt, m.init_std)
+        self.norm = RMSNorm(a.entry_dim, m.norm_eps, dtype=dt)
 
     def __call__(self, x, positions, theta):
         return apply_rope_last(self.norm(self.wkv(x)), positions, theta, self.rope_dim)

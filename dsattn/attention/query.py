@@ -13,7 +13,7 @@ class Query(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
         dt = jnp.dtype(m.dtype)
-        self.h, self.c, self.rope_dim = a.n_heads, a.head_dim, a.rope_dim
+        self.h, self.c, self.rope_dim = a.n_heads, a.entry_dim, a.rope_dim
         self.head_norm, self.eps = a.query_norm, m.norm_eps
         self.wq_a = dense(m.d_model, a.q_lora_rank, rngs, dt, m.init_std)
         self.q_norm = RMSNorm(a.q_lora_rank, m.norm_eps, dtype=dt)

@@ -64,7 +64,7 @@ class IndexerSelector(nnx.Module):
     def __init__(self, cfg, spec: LayerSpec, q_in: int, rngs: nnx.Rngs):
         a, ix = cfg.attention, cfg.indexer
         self.index_q = indexer.IndexerQuery(cfg, q_in, rngs)
-        self.stride, self.top_k, self.method = spec.stride, a.top_k, ix.topk
+        self.stride, self.top_k, self.method = spec.stride, a.top_k, ix.topk_method
         self.loss_weight, self.warmup = ix.loss_weight, ix.dense_warmup_steps
         self.impl, self.interpret = indexer.resolve_impl(cfg), ix.interpret
         self.pool_blocks = a.pool_blocks if spec.builds_pool else 0

@@ -57,7 +57,7 @@ class ProjectedKeys(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m, ix = cfg.attention, cfg.model, cfg.indexer
         dt = jnp.dtype(m.dtype)
-        self.key_proj = dense(a.head_dim, ix.head_dim, rngs, dt, m.init_std)
+        self.key_proj = dense(a.entry_dim, ix.head_dim, rngs, dt, m.init_std)
         self.key_norm = RMSNorm(ix.head_dim, m.norm_eps, dtype=dt)
 
     def block(self, entry_compressor, src, pre_rope):
@@ -85,7 +85,7 @@ class OwnEntries(nnx.Module):
         self.rope_dim, self.key_rope = a.rope_dim, cfg.indexer.rope_dim
         self.page_size, self.fake_quant = c.page_size, c.fake_quant
         self.fields = paged_fields(cfg, spec)
-        self.compressor = Compressor(m.d_model, a.head_dim, spec.ratio,
+        self.compressor = Compressor(m.d_model, a.entry_dim, spec.ratio,
                                      overlap=spec.kind.overlap, pos_bias=spec.kind.pos_bias,
                                      norm_eps=m.norm_eps, dtype=dt, rngs=rngs, std=m.init_std)
         self.keys = nnx.data(KEY_BUILDERS[spec.kind.key](cfg, spec, rngs))

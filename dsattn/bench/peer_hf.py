@@ -62,20 +62,20 @@ def hf_config(cfg, *, hc_mult: int = 1):
     from transformers import DeepseekV4Config
 
     a, m, ix = cfg.attention, cfg.model, cfg.indexer
-    kinds = tuple(cfg.layer_kinds)
+    kinds = cfg.attention.layers
     bad = sorted(set(kinds) - set(_LAYER_TYPE))
     if bad:
         raise ValueError(f"attention.layers: the HF DeepseekV4 peer has only swa/csa/hca "
                          f"layers; cannot build {', '.join(bad)}")
     rates = {}
     for i, (k, r) in enumerate(zip(kinds, a.ratios)):
-        if k == "swa":
+        if not r:  # uncompressed (sliding window only)
             continue
         if rates.setdefault(k, r) != r:
             raise ValueError(f"attention.ratios: HF DeepseekV4 has one compression ratio per "
                              f"layer type; {k} layers use both {rates[k]} and {r} (layer {i})")
-    if a.rope_dim >= a.head_dim or a.rope_dim % 2:
-        raise ValueError(f"attention.rope_dim={a.rope_dim}: needs an even value < head_dim")
+    if a.rope_dim >= a.entry_dim or a.rope_dim % 2:
+        raise ValueError(f"attention.rope_dim={a.rope_dim}: needs an even value < entry_dim")
     n = len(kinds)
     return DeepseekV4Config(
         vocab_size=m.vocab_size,
@@ -86,8 +86,8 @@ def hf_config(cfg, *, hc_mult: int = 1):
                         "heavily_compressed_attention": rates.get("hca", a.hca_ratio)},
         num_attention_heads=a.n_heads,
         num_key_value_heads=1,
-        head_dim=a.head_dim,
-        partial_rotary_factor=a.rope_dim / a.head_dim,
+        head_dim=a.entry_dim,
+        partial_rotary_factor=a.rope_dim / a.entry_dim,
         q_lora_rank=a.q_lora_rank,
         o_groups=a.o_groups,
         o_lora_rank=a.o_lora_rank,

@@ -86,7 +86,7 @@ def window_mask(slot_pos, q_pos, window: int):
 
 
 def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid,
-               window: int, rope: int = 0, quantize: bool = True):
+               window: int, rope: int = 0):
     """Keys a chunk's queries attend over: concat[ring BEFORE this chunk's write, the chunk].
 
     Returns (keys [B, W + T, w] in ``dtype``, key_pos int32 [B, W + T]); invalid chunk entries
@@ -100,20 +100,17 @@ def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid
     every window that precedes the chunk; ``window`` <= W) and the chunk supplies the rest.
     Ring keys and chunk keys never share a position, since the chunk continues the row.
 
-    ``quantize`` (default): chunk keys go through ``decode(encode(fmt, ., rope))``, i.e. they
-    carry exactly the numbers the ring will hold after ``write``, so a query's result does not
-    depend on how the sequence was chunked (or whether it is decoded token by token). For
-    ``native`` this is the identity. ``quantize=False`` uses the chunk's values as given.
+    Chunk keys go through ``decode(encode(fmt, ., rope))``, i.e. they carry exactly the numbers
+    the ring will hold after ``write``, so a query's result does not depend on how the
+    sequence was chunked (or whether it is decoded token by token). For ``native`` this is
+    the identity.
     """
     w_slots = _window(ring)
     if window > w_slots:
         raise ValueError(f"window {window} exceeds the ring's {w_slots} slots")
     ring_vals, ring_pos = read(ring, fmt, dtype)
     chunk_values = jnp.asarray(chunk_values)
-    if quantize:
-        chunk_keys = formats.decode(fmt, formats.encode(fmt, chunk_values, rope), dtype)
-    else:
-        chunk_keys = chunk_values.astype(dtype)
+    chunk_keys = formats.decode(fmt, formats.encode(fmt, chunk_values, rope), dtype)
     cpos = jnp.where(jnp.asarray(chunk_valid).astype(bool),
                      jnp.asarray(chunk_pos).astype(jnp.int32), -1)
     keys = jnp.concatenate([ring_vals, chunk_keys], axis=1)
