@@ -3,7 +3,7 @@
 
 Both prefill and decode extend the cache by some tokens per row: prefill by a padded chunk
 (each row its own length), decode by one token per row. Rows are ragged: every row keeps
-its own next position in ``cache["pos"]``. Prompts are padded to power-of-two buckets so
+its own next position in ``cache.pos``. Prompts are padded to power-of-two buckets so
 compiles stay bounded, and an engine's decode program compiles once per (batch, max_len).
 
 An ``Engine(model)`` splits the model once (graphdef and a pure dict of its weights) and owns
@@ -79,7 +79,7 @@ def decode_compilations() -> int:
 class _Seen(NamedTuple):
     """What an engine knows of a cache it produced, kept while its `pos` array lives."""
 
-    ref: Any  # weakref to cache["pos"] (immutable: the record stays exact)
+    ref: Any  # weakref to cache.pos (immutable: the record stays exact)
     pos: np.ndarray  # the rows' positions [B] on the host
     evals: Any  # (position, layer) evaluations of prefill programs: a device scalar or 0
     decode_evals: int  # and of decode steps (host-known: every row of a checked step runs)
@@ -146,7 +146,7 @@ class Engine:
     def _known(self, cache) -> _Seen | None:
         """The record of a cache: kept if this engine produced it, else read once (a device
         sync) and kept; None under an outer jit (the compiled check applies)."""
-        pos = cache["pos"]
+        pos = cache.pos
         if isinstance(pos, jax.core.Tracer):
             return None
         seen = self._seen.get(id(pos))
@@ -155,7 +155,7 @@ class Engine:
         return self._remember(cache, np.asarray(jax.device_get(pos)), 0, 0)
 
     def _remember(self, cache, host_pos, evals, decode_evals) -> _Seen:
-        pos, key, seen = cache["pos"], id(cache["pos"]), self._seen
+        pos, key, seen = cache.pos, id(cache.pos), self._seen
 
         def forget(ref):
             if (entry := seen.get(key)) is not None and entry.ref is ref:
@@ -169,7 +169,7 @@ class Engine:
         decode steps), counted from the first time it saw the cache's lineage (all of them
         for a cache from init_cache). A replay prefill runs its decoder layers over only R
         positions per row. Raises InputError for a cache this engine did not produce."""
-        pos = cache["pos"]
+        pos = cache.pos
         seen = self._seen.get(id(pos))
         if seen is None or seen.ref() is not pos:
             raise InputError("evaluations: this engine did not produce this cache (use the "
@@ -362,8 +362,8 @@ def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
 
 
 def cache_capacity(cache) -> int:
-    """max_len of a cache (positions per row); carried as a static shape (see init_cache)."""
-    return cache["capacity"].shape[0]
+    """max_len of a cache (positions per row), a static field of the decode state."""
+    return cache.max_len
 
 
 def bucket_length(n: int, max_len: int) -> int:
@@ -378,7 +378,7 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
     """(logits [B, V], cache, (position, layer) evaluations run)."""
     model = nnx.merge(graphdef, nnx.State(state))
     b, t = tokens.shape
-    start = cache["pos"]
+    start = cache.pos
     # A row that would pass max_len is refused whole: it writes nothing in any layer, keeps
     # its position, gets NaN logits and is flagged for check_cache. prefill and decode_step
     # refuse such calls on the host first; this keeps the compiled programs safe on their own.
@@ -386,11 +386,11 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
     n_new = jnp.where(fits, n_new, 0)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     valid = jnp.arange(t)[None] < n_new[:, None]
-    h, layers, evals = model.extend(tokens, positions, valid, cache["layers"], replay,
+    h, layers, evals = model.extend(tokens, positions, valid, cache.layers, replay,
                                     replay_from)
     logits = jnp.where(fits[:, None], model.logits(h), jnp.nan)
-    return logits, {**cache, "pos": start + n_new, "overflow": cache["overflow"] | ~fits,
-                    "layers": layers}, evals
+    return logits, cache.replace(pos=start + n_new, overflow=cache.overflow | ~fits,
+                                 layers=layers), evals
 
 
 def _decode_impl(graphdef, state, tokens, cache):
@@ -462,15 +462,16 @@ def check_cache(cache) -> None:
     or any layer's global page pool ran out (host sync). Either way the cache is consistent:
     a refused row or append wrote nothing and kept its position/length, the other rows'
     writes completed (a row refused for max_len also got NaN logits)."""
-    over = np.nonzero(np.asarray(jax.device_get(cache["overflow"])))[0]
+    over = np.nonzero(np.asarray(jax.device_get(cache.overflow)))[0]
     if over.size:
         raise CacheExhausted(
             f"row {int(over[0])} reached max_len={cache_capacity(cache)}: a step past it was "
             f"refused for that row (nothing written, NaN logits); size the cache with "
             f"init_cache(..., max_len=...)")
-    for layer in cache["layers"]:
-        if "global" in layer:
-            paged.check(layer["global"])
+    is_paged = lambda x: isinstance(x, paged.PagedCache)  # noqa: E731
+    for g in jax.tree.leaves(cache.layers, is_leaf=is_paged):
+        if is_paged(g):
+            paged.check(g)
 
 
 # ------------------------------------------------------------------------------ sampling

@@ -6,7 +6,7 @@ and `extend` over an explicit cache pytree (prefill and decode, driven by dsattn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from dsattn import plan
 from dsattn.attention.context import CachedContext, Stream, StackContext
@@ -37,6 +37,18 @@ def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
         bad = arr[(arr < 0) | (arr >= vocab_size)].ravel()[0]
         raise InputError(f"{where}: token id {int(bad)} is outside the vocabulary "
                          f"[0, {vocab_size})")
+
+
+@struct.dataclass
+class DecodeState:
+    """What cached generation carries between calls: each row's next position, which rows
+    a compiled step refused because they would pass `max_len` (sticky; see
+    generate.check_cache), and one cache per layer. `max_len` is static (not a leaf)."""
+
+    pos: jax.Array  # int32 [B]
+    overflow: jax.Array  # bool [B]
+    layers: tuple
+    max_len: int = struct.field(pytree_node=False)
 
 
 class Block(nnx.Module):
@@ -90,17 +102,12 @@ class Transformer(nnx.Module):
         return self.forward(tokens)[0]
 
     # -- cached execution ----------------------------------------------------------------
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """Empty cache pytree: next position per row and one cache per layer.
-
-        `capacity` is a zero-byte array whose shape records max_len, so the cache stays a
-        plain pytree yet knows its size statically. `overflow` (sticky, per row) marks a row
-        a compiled step refused because it would pass max_len (see generate.check_cache).
-        """
-        return {"pos": jnp.zeros((batch,), jnp.int32),
-                "capacity": jnp.zeros((max_len, 0), jnp.bool_),
-                "overflow": jnp.zeros((batch,), jnp.bool_),
-                "layers": tuple(b.attn.init_cache(batch, max_len) for b in self.blocks)}
+    def init_cache(self, batch: int, max_len: int) -> "DecodeState":
+        """An empty decode state for `batch` rows of up to `max_len` positions."""
+        return DecodeState(pos=jnp.zeros((batch,), jnp.int32),
+                           overflow=jnp.zeros((batch,), jnp.bool_),
+                           layers=tuple(b.attn.init_cache(batch, max_len) for b in self.blocks),
+                           max_len=max_len)
 
     def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None,
                replay_from=None):

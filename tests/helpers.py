@@ -67,7 +67,7 @@ def check_decode_matches_forward(model, lengths, n_decode, max_len, seed=0, atol
         got.append(np.asarray(logits))
         want.append(full[np.arange(b), lengths + s])
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=atol, rtol=1e-7)
-    np.testing.assert_array_equal(np.asarray(cache["pos"]), lengths + n_decode)
+    np.testing.assert_array_equal(np.asarray(cache.pos), lengths + n_decode)
     return cache
 
 

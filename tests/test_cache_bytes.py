@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dsattn import config, generate, kvbytes
+from dsattn.cache import contiguous, paged, ring
 from tests.helpers import ROOT
 
 FORMATTED = ["cache.local_format=fp8_ue8m0", "cache.main_format=fp4_e4m3",
@@ -27,18 +28,18 @@ def measured(cfg, max_len: int):
     left out, as in seed 000's accounting.
     """
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 1, max_len))
+    typed = (contiguous.Contiguous, paged.PagedCache, ring.Ring)
     per_layer, local = [], 0
-    for layer in cache["layers"]:
+    for layer in cache.layers:
         stored = 0
-        if "latent" in layer:  # contiguous MLA cache: [1, max_len, ...]
-            stored = _nbytes(layer["latent"])
-        if "k" in layer:  # contiguous MHA cache
-            stored = _nbytes(layer["k"]) + _nbytes(layer["v"])
-        if "global" in layer:  # paged: every slot of every page holds one entry
-            stored = _nbytes(layer["global"]["pages"])
+        for part in jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, typed)):
+            if isinstance(part, contiguous.Contiguous):  # MHA K/V, MLA latents: [1, max_len]
+                stored += _nbytes(part.stored)
+            elif isinstance(part, paged.PagedCache):  # every slot of every page: one entry
+                stored += _nbytes(part.pages)
+            elif isinstance(part, ring.Ring):
+                local += _nbytes(part.kv)
         per_layer.append(stored / max_len)
-        if "ring" in layer:
-            local += _nbytes(layer["ring"]["kv"])
     return per_layer, local
 
 

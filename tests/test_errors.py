@@ -14,7 +14,7 @@ def test_prompt_longer_than_cache():
     with pytest.raises(CacheExhausted, match="row 1 would need 20 positions, max_len=16"):
         generate.prefill(model, np.ones((2, 20), int), [3, 20], cache)
     # the cache is untouched and still usable
-    assert np.asarray(cache["pos"]).tolist() == [0, 0]
+    assert np.asarray(cache.pos).tolist() == [0, 0]
     generate.prefill(model, np.ones((2, 4), int), [4, 4], cache)
 
 
@@ -64,6 +64,6 @@ def test_exhausted_page_pool_is_an_error():
     cache = generate.init_cache(model, 2, 64)
     layer = model.blocks[0].attn
     # a pool of 3 pages of 16 tokens shared by two rows that need 2 pages each
-    cache["layers"][0]["global"] = paged.empty(layer.fields, 2, 64, 16, layer.dtype, n_pages=3)
+    cache.layers[0]["global"] = paged.empty(layer.fields, 2, 64, 16, layer.dtype, n_pages=3)
     with pytest.raises(paged.CacheExhausted, match="pool exhausted"):
         generate.prefill(model, np.ones((2, 20), int), [20, 20], cache)

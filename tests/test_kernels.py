@@ -25,7 +25,7 @@ def _scrambled_cache(fmt, seed=0):
 
     def add(cache, n):
         x = jnp.asarray(rng.standard_normal((B, 9, D)), jnp.float32)
-        return paged.append(cache, fields, {"k": x}, jnp.asarray(n, jnp.int32))
+        return paged.append(cache, {"k": x}, jnp.asarray(n, jnp.int32))
 
     cache = add(cache, [8, 8, 8])
     cache = paged.release(cache, jnp.asarray([False, True, False]))
@@ -34,8 +34,8 @@ def _scrambled_cache(fmt, seed=0):
     cache = add(cache, [9, 0, 0])
     cache = add(cache, [8, 0, 0])
     paged.check(cache)
-    table = np.asarray(cache["page_table"])
-    assert np.asarray(cache["length"]).tolist() == [17, 5, 15]
+    table = np.asarray(cache.page_table)
+    assert np.asarray(cache.length).tolist() == [17, 5, 15]
     assert not all(np.all(np.diff(r[r >= 0]) == 1) for r in table)  # not in pool order
     return fields, cache
 
@@ -58,13 +58,13 @@ def check_kernel(kernel, fmt, T, cache, interpret, tol=1e-5):
     """kernel == reference_scores: scores truncated to max_entries, and at full width
     (P * page_size, the padded tail invisible) with block maxima == indexer.block_scores."""
     q, w, nv = _queries(T)
-    args = (q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, fmt)
+    args = (q, w, cache.pages["k"], cache.page_table, cache.length, nv, fmt)
     ref = reference_scores(*args, max_entries=MAX_ENTRIES)
     got = kernel(*args, interpret=interpret, max_entries=MAX_ENTRIES)
     assert got.shape == ref.shape == (B, T, MAX_ENTRIES) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol)
     full, maxima = kernel(*args, interpret=interpret, block_max=BLOCK)
-    width = cache["page_table"].shape[1] * PS
+    width = cache.page_table.shape[1] * PS
     assert full.shape == (B, T, width) and maxima.shape == (B, T, width // BLOCK)
     np.testing.assert_allclose(np.asarray(full[..., :MAX_ENTRIES]), np.asarray(ref),
                                rtol=tol, atol=tol)
@@ -86,7 +86,7 @@ def test_paged_scores_kernel_matches_reference(backend, fmt, T):
 def test_reference_block_maxima_and_truncation():
     fields, cache = _scrambled_cache("native")
     q, w, nv = _queries(3)
-    args = (q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, "native")
+    args = (q, w, cache.pages["k"], cache.page_table, cache.length, nv, "native")
     score, maxima = reference_scores(*args, max_entries=MAX_ENTRIES, block_max=BLOCK)
     np.testing.assert_array_equal(
         np.asarray(maxima), np.asarray(indexer.block_scores(score, score > -jnp.inf, BLOCK)))
@@ -98,7 +98,7 @@ def test_block_max_must_divide_the_page(kernel):
     fields, cache = _scrambled_cache("native")
     q, w, nv = _queries(1)
     with pytest.raises(ValueError, match="block_max=3"):
-        kernel(q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv, "native",
+        kernel(q, w, cache.pages["k"], cache.page_table, cache.length, nv, "native",
                block_max=3)
 
 
@@ -109,7 +109,7 @@ def test_gpu_kernel_lowers_to_triton(fmt):
     fields, cache = _scrambled_cache(fmt)
     q, w, nv = _queries(3)
     f = jax.jit(functools.partial(paged_scores_gpu, fmt=fmt, block_k=16, block_max=BLOCK))
-    lowered = f.trace(q, w, cache["pages"]["k"], cache["page_table"], cache["length"],
+    lowered = f.trace(q, w, cache.pages["k"], cache.page_table, cache.length,
                       nv).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
 
@@ -120,9 +120,9 @@ def test_reference_matches_indexer_scores(fmt):
     T = 3
     fields, cache = _scrambled_cache(fmt, seed=2)
     q, w, nv = _queries(T, seed=3)
-    ref = reference_scores(q, w, cache["pages"]["k"], cache["page_table"], cache["length"],
+    ref = reference_scores(q, w, cache.pages["k"], cache.page_table, cache.length,
                            nv, fmt, max_entries=MAX_ENTRIES)
-    keys, valid = paged.read_all(cache, fields, "k", jnp.float32)
+    keys, valid = paged.read_all(cache, "k", jnp.float32)
     dense = indexer.scores(q, w, keys)
     s = jnp.arange(MAX_ENTRIES)[None, None, :]
     vis = valid[:, None, :] & (s < nv[..., None])
@@ -137,7 +137,7 @@ def test_paged_scores_rejects_unsupported_format(backend):
     fields, cache = _scrambled_cache("native")
     q, w, nv = _queries(1)
     with pytest.raises(NotImplementedError, match="fp4_e4m3"):
-        KERNELS[backend](q, w, cache["pages"]["k"], cache["page_table"], cache["length"], nv,
+        KERNELS[backend](q, w, cache.pages["k"], cache.page_table, cache.length, nv,
                          "fp4_e4m3", interpret=True)
 
 

@@ -80,15 +80,15 @@ def test_ragged_rows_and_the_compiled_check():
         generate.decode_step(model, toks[:, 4], cache)
     assert_same(cache, before)
     _, cache = generate.prefill(model, toks[:, 4:6], [0, 2], cache)
-    layers = snapshot(cache["layers"])
+    layers = snapshot(cache.layers)
     step = generate.engine(model).decode_unchecked
     logits, cache = step(np.array([7, toks[1, 6]], np.int32), cache)
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all()
     np.testing.assert_allclose(logits[1], np.asarray(forward(model, toks[1:2, :7]))[0, 6],
                                atol=1e-9)
-    np.testing.assert_array_equal(np.asarray(cache["pos"]), [MAX_LEN, 7])
-    for now, then in zip(jax.tree.leaves(cache["layers"]), jax.tree.leaves(layers)):
+    np.testing.assert_array_equal(np.asarray(cache.pos), [MAX_LEN, 7])
+    for now, then in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(layers)):
         np.testing.assert_array_equal(np.asarray(now)[0], then[0])  # row 0 wrote nothing
     with pytest.raises(CacheExhausted, match="row 0 reached max_len=16"):
         generate.check_cache(cache)
@@ -99,7 +99,7 @@ def test_exhausted_page_pool_message_speaks_of_max_len():
 
     fields = {"entry": paged.Field("native", 8)}
     cache = paged.empty(fields, 2, 8, 4, n_pages=1)  # one page for two rows
-    cache = paged.append(cache, fields, {"entry": np.ones((2, 3, 8), np.float32)}, [3, 3])
+    cache = paged.append(cache, {"entry": np.ones((2, 3, 8), np.float32)}, [3, 3])
     with pytest.raises(CacheExhausted, match=r"init_cache\(\.\.\., max_len=\.\.\.\)") as e:
         paged.check(cache)
     assert "pool size" not in str(e.value)

@@ -26,12 +26,11 @@ def ops(fields_items: tuple):
     """Jitted cache operations for one (hashable) field set."""
     fields = dict(fields_items)
     return {
-        "append": jax.jit(lambda c, new, n: paged.append(c, fields, new, n)),
-        "gather": {name: jax.jit(lambda c, idx, name=name:
-                                 paged.gather(c, fields, name, idx, jnp.float64))
+        "append": jax.jit(paged.append),
+        "gather": {name: jax.jit(lambda c, idx, name=name: paged.gather(c, name, idx,
+                                                                         jnp.float64))
                    for name in fields},
-        "read_all": {name: jax.jit(lambda c, name=name:
-                                   paged.read_all(c, fields, name, jnp.float64))
+        "read_all": {name: jax.jit(lambda c, name=name: paged.read_all(c, name, jnp.float64))
                      for name in fields},
         "release": jax.jit(paged.release),
         "in_use": jax.jit(paged.pages_in_use),
@@ -78,7 +77,7 @@ def assert_matches(cache, ref, fields_items, rng, max_entries):
     """read_all, gather (random valid and invalid indices) and the allocation invariants."""
     op = ops(fields_items)
     lengths = ref.lengths()
-    np.testing.assert_array_equal(np.asarray(cache["length"]), lengths)
+    np.testing.assert_array_equal(np.asarray(cache.length), lengths)
     B = len(lengths)
     idx = rng.integers(-3, max_entries + 3, size=(B, 2, 7))
     idx[:, 0, 0] = -1
@@ -103,16 +102,16 @@ def assert_matches(cache, ref, fields_items, rng, max_entries):
                                           * ok[..., None])
     # Allocation invariants: a row holds exactly ceil(length / page_size) distinct pages, no
     # page belongs to two rows or to a row and the free stack, and together they are the pool.
-    table = np.asarray(cache["page_table"])
-    n_free = int(cache["n_free"])
-    ps = next(iter(cache["pages"]["entry"].values())).shape[1]
+    table = np.asarray(cache.page_table)
+    n_free = int(cache.n_free)
+    ps = next(iter(cache.pages["entry"].values())).shape[1]
     owned = []
     for b in range(B):
         k = math.ceil(lengths[b] / ps)
         assert (table[b, :k] >= 0).all() and (table[b, k:] == -1).all()
         owned.extend(table[b, :k].tolist())
-    free = np.asarray(cache["free"])[:n_free].tolist()
-    n_pages = cache["free"].shape[0]
+    free = np.asarray(cache.free)[:n_free].tolist()
+    n_pages = cache.free.shape[0]
     assert sorted(owned + free) == list(range(n_pages))
     assert int(op["in_use"](cache)) == len(owned)
 
@@ -123,8 +122,8 @@ def test_ragged_appends_match_reference(fields_items):
     B, max_entries, ps, E = 3, 21, 4, 5  # max_entries not a multiple of the page size
     fields = dict(fields_items)
     cache = paged.empty(fields, B, max_entries, ps, jnp.float64)
-    assert cache["page_table"].shape == (B, 6) and cache["free"].shape == (18,)
-    assert cache["pages"]["entry"][next(iter(cache["pages"]["entry"]))].shape[:2] == (18, ps)
+    assert cache.page_table.shape == (B, 6) and cache.free.shape == (18,)
+    assert cache.pages["entry"][next(iter(cache.pages["entry"]))].shape[:2] == (18, ps)
     ref = Ref(fields_items, B)
     op = ops(fields_items)
     assert_matches(cache, ref, fields_items, rng, max_entries)
@@ -136,7 +135,7 @@ def test_ragged_appends_match_reference(fields_items):
         if step % 2 or fields_items is NATIVE:
             assert_matches(cache, ref, fields_items, rng, max_entries)
     assert_matches(cache, ref, fields_items, rng, max_entries)
-    assert not bool(cache["overflow"])
+    assert not bool(cache.overflow)
     paged.check(cache)
 
 
@@ -151,7 +150,7 @@ def test_rows_sharing_a_pool_never_see_each_other():
         n_new = [[3, 0], [0, 3], [1, 2]][i % 3]
         cache = op["append"](cache, {"entry": ones}, jnp.asarray(n_new, jnp.int32))
         lengths += n_new
-    table = np.asarray(cache["page_table"])
+    table = np.asarray(cache.page_table)
     # The rows' pages interleave in the pool (so isolation is really exercised).
     used0, used1 = table[0][table[0] >= 0], table[1][table[1] >= 0]
     assert set(used0).isdisjoint(used1)
@@ -184,7 +183,7 @@ def test_invalid_indices_read_zeros():
     np.testing.assert_array_equal(np.asarray(vals[1, 6]), np.asarray(new["entry"][1, 1]))
     np.testing.assert_array_equal(np.asarray(vals[1, 7]), np.asarray(new["entry"][1, 0]))
     # Row 2 owns no page: its table is all -1 and nothing it reads is valid.
-    assert (np.asarray(cache["page_table"][2]) == -1).all()
+    assert (np.asarray(cache.page_table[2]) == -1).all()
 
 
 def test_pool_exhaustion_sets_overflow_and_keeps_data():
@@ -208,9 +207,9 @@ def test_pool_exhaustion_sets_overflow_and_keeps_data():
     # fits in its own page and still appends.
     cache, new = step(cache, [3, 1, 2])
     ref.append(new, [3, 0 + 1, 0])
-    assert bool(cache["overflow"])
-    np.testing.assert_array_equal(np.asarray(cache["length"]), [9, 4, 0])
-    assert int(cache["n_free"]) == 0 and (np.asarray(cache["page_table"][2]) == -1).all()
+    assert bool(cache.overflow)
+    np.testing.assert_array_equal(np.asarray(cache.length), [9, 4, 0])
+    assert int(cache.n_free) == 0 and (np.asarray(cache.page_table[2]) == -1).all()
     assert_matches(cache, ref, fields_items, rng, max_entries)
     with pytest.raises(paged.CacheExhausted, match="global cache pool exhausted: 4 pages of 4"):
         paged.check(cache)
@@ -218,9 +217,9 @@ def test_pool_exhaustion_sets_overflow_and_keeps_data():
     # filling its own last page still proceeds, and overflow stays set.
     cache, new = step(cache, [3, 1, 1])
     ref.append(new, [3, 0, 0])
-    np.testing.assert_array_equal(np.asarray(cache["length"]), [12, 4, 0])
+    np.testing.assert_array_equal(np.asarray(cache.length), [12, 4, 0])
     assert_matches(cache, ref, fields_items, rng, max_entries)
-    assert bool(cache["overflow"])
+    assert bool(cache.overflow)
     assert issubclass(paged.CacheExhausted, RuntimeError)
 
 
@@ -238,7 +237,7 @@ def test_page_table_limit_is_overflow():
     new = random_new(rng, fields_items, B, E)
     cache = op["append"](cache, new, jnp.asarray([2, 1, 0], jnp.int32))  # row 0 would reach 22
     ref.append(new, [0, 1, 0])  # row 1 reaches exactly 21
-    assert bool(cache["overflow"])
+    assert bool(cache.overflow)
     assert_matches(cache, ref, fields_items, rng, max_entries)
     with pytest.raises(paged.CacheExhausted, match=r"init_cache\(\.\.\., max_len=\.\.\.\)"):
         paged.check(cache)
@@ -251,16 +250,16 @@ def test_release_and_reuse_never_exposes_old_data():
     op = ops(fields_items)
     plus = jnp.ones((B, E, 8), jnp.float64)
     cache = op["append"](cache, {"entry": plus}, jnp.asarray([6, 0], jnp.int32))
-    old_pages = np.asarray(cache["page_table"][0, :2]).tolist()
+    old_pages = np.asarray(cache.page_table[0, :2]).tolist()
     cache = op["release"](cache, jnp.asarray([True, False]))
     assert int(op["in_use"](cache)) == 0
-    np.testing.assert_array_equal(np.asarray(cache["page_table"][0]), [-1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(cache.page_table[0]), [-1, -1, -1])
     vals, valid = op["read_all"]["entry"](cache)
     assert not np.asarray(valid).any() and not np.asarray(vals).any()
     # Row 1 takes the released pages (the half-full one first: LIFO), writing -1s into
     # slot 0 only; the stale +1s behind it must stay invisible.
     cache = op["append"](cache, {"entry": -plus}, jnp.asarray([0, 1], jnp.int32))
-    assert int(cache["page_table"][1, 0]) == old_pages[1]
+    assert int(cache.page_table[1, 0]) == old_pages[1]
     vals, valid = op["read_all"]["entry"](cache)
     expect = np.zeros((B, max_entries, 8))
     expect[1, 0] = -1.0
@@ -274,12 +273,12 @@ def test_release_and_reuse_never_exposes_old_data():
     # Row 1 grows into the other stale page; row 0 refills from scratch. Still no +1 leaks.
     cache = op["append"](cache, {"entry": -plus}, jnp.asarray([0, 5], jnp.int32))
     cache = op["append"](cache, {"entry": 2 * plus}, jnp.asarray([1, 0], jnp.int32))
-    assert int(cache["page_table"][1, 1]) == old_pages[0]
+    assert int(cache.page_table[1, 1]) == old_pages[0]
     vals, valid = op["read_all"]["entry"](cache)
     expect[1, :6] = -1.0
     expect[0, 0] = 2.0
     np.testing.assert_array_equal(np.asarray(vals), expect)
-    assert not bool(cache["overflow"])
+    assert not bool(cache.overflow)
 
 
 def test_scrambled_pages_random_appends_and_releases():
@@ -304,11 +303,11 @@ def test_scrambled_pages_random_appends_and_releases():
             cache = op["append"](cache, new, jnp.asarray(n_new, jnp.int32))
             ref.append(new, n_new.tolist())
         assert_matches(cache, ref, fields_items, rng, max_entries)
-        table = np.asarray(cache["page_table"])
+        table = np.asarray(cache.page_table)
         # Allocation order no longer follows row order: some row's pages are not increasing.
         scrambled |= any((np.diff(r[r >= 0]) < 0).any() for r in table)
     assert scrambled
-    assert not bool(cache["overflow"])
+    assert not bool(cache.overflow)
 
 
 def test_check_message_and_stacked_overflow():
@@ -316,7 +315,7 @@ def test_check_message_and_stacked_overflow():
     cache = paged.empty(fields, 2, 8, 4, jnp.float64, n_pages=2)
     paged.check(cache)
     stacked = jax.tree.map(lambda x: jnp.stack([x, x]), cache)
-    stacked["overflow"] = jnp.asarray([False, True])
+    stacked = stacked.replace(overflow=jnp.asarray([False, True]))
     with pytest.raises(paged.CacheExhausted) as e:
         paged.check(stacked)
     assert "2 pages of 4 entries" in str(e.value) and "at most 8 entries per row" in str(e.value)

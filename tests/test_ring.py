@@ -23,8 +23,8 @@ PAD_T = 17  # chunks of 2+ entries are [B, 17] arrays (the rest padded, invalid)
 
 
 _steps = {}
-_write = jax.jit(R.write, static_argnums=(1, 5))
-_read = jax.jit(R.read, static_argnums=(1, 2))
+_write = jax.jit(R.write)
+_read = jax.jit(R.read, static_argnums=1)
 
 
 def _step(fmt, batch, t, window):
@@ -32,11 +32,10 @@ def _step(fmt, batch, t, window):
     key = (fmt, batch, t, window)
     if key not in _steps:
         def step(ring, values, positions, valid):
-            keys, key_pos = R.local_keys(ring, fmt, jnp.float64, values, positions, valid,
-                                         window)
+            keys, key_pos = R.local_keys(ring, jnp.float64, values, positions, valid, window)
             mask = R.window_mask(key_pos, positions, window)
-            new = R.write(ring, fmt, values, positions, valid)
-            vals, pos = R.read(new, fmt, jnp.float64)
+            new = R.write(ring, values, positions, valid)
+            vals, pos = R.read(new, jnp.float64)
             return keys, key_pos, mask, new, vals, pos
         _steps[key] = jax.jit(step)
     return _steps[key]
@@ -77,8 +76,8 @@ def _run(fmt, window, prompt_lens, chunk_sizes, n_decode, seed):
         for b in range(batch):
             for i in range(counts[b]):
                 values[b, i] = table[b, starts[b] + i]
-        old_pos = np.asarray(ring["pos"])
-        old_kv = {k: np.asarray(a) for k, a in ring["kv"].items()}
+        old_pos = np.asarray(ring.pos)
+        old_kv = {k: np.asarray(a) for k, a in ring.kv.items()}
         keys, key_pos, mask, ring, vals, pos = _step(fmt, batch, t, window)(
             ring, jnp.asarray(values), jnp.asarray(positions), jnp.asarray(valid))
         keys, key_pos, mask = np.asarray(keys), np.asarray(key_pos), np.asarray(mask)
@@ -108,7 +107,7 @@ def _run(fmt, window, prompt_lens, chunk_sizes, n_decode, seed):
                           table_stored[b, want_pos[filled]])
             if counts[b] == 0:  # a row with nothing valid is untouched
                 np.testing.assert_array_equal(pos[b], old_pos[b])
-                for k, a in ring["kv"].items():
+                for k, a in ring.kv.items():
                     np.testing.assert_array_equal(
                         np.asarray(a[b]).view(np.uint8), old_kv[k][b].view(np.uint8))
 
@@ -161,8 +160,8 @@ def test_long_prefill_keeps_last_window():
     pos = np.tile(np.arange(t, dtype=np.int32), (2, 1))
     valid = np.arange(t)[None, :] < np.array([[t], [6]])
     vals = np.arange(2 * t * 3, dtype=np.float64).reshape(2, t, 3)
-    ring = _write(ring, "native", vals, pos, valid)
-    got_v, got_p = _read(ring, "native", jnp.float64)
+    ring = _write(ring, vals, pos, valid)
+    got_v, got_p = _read(ring, jnp.float64)
     np.testing.assert_array_equal(got_p, [[8, 9, 10, 7], [4, 5, 2, 3]])
     np.testing.assert_array_equal(got_v[0], vals[0, [8, 9, 10, 7]])
     np.testing.assert_array_equal(got_v[1], vals[1, [4, 5, 2, 3]])
@@ -174,18 +173,18 @@ def test_long_prefill_keeps_last_window():
     # scatter of all 11 would put several positions in one slot, in an unspecified order).
     perm = np.random.default_rng(0).permutation(t)[::-1].copy()
     for order in (np.arange(t)[::-1].copy(), perm):
-        ring = _write(R.empty("native", 2, w, 3, 0, jnp.float64), "native", vals[:, order],
+        ring = _write(R.empty("native", 2, w, 3, 0, jnp.float64), vals[:, order],
                       pos[:, order], valid[:, order])
-        got_v, got_p = _read(ring, "native", jnp.float64)
+        got_v, got_p = _read(ring, jnp.float64)
         np.testing.assert_array_equal(got_p, [[8, 9, 10, 7], [4, 5, 2, 3]])
         np.testing.assert_array_equal(got_v[0], vals[0, [8, 9, 10, 7]])
 
 
 def test_empty_and_window_mask():
     ring = R.empty("fp8_ue8m0", 2, 5, 64, 0, jnp.float32)
-    assert ring["pos"].dtype == jnp.int32 and (np.asarray(ring["pos"]) == -1).all()
-    assert ring["kv"]["q"].shape == (2, 5, 64) and ring["kv"]["scale"].shape == (2, 5, 2)
-    vals, pos = R.read(ring, "fp8_ue8m0", jnp.float32)
+    assert ring.pos.dtype == jnp.int32 and (np.asarray(ring.pos) == -1).all()
+    assert ring.kv["q"].shape == (2, 5, 64) and ring.kv["scale"].shape == (2, 5, 2)
+    vals, pos = R.read(ring, jnp.float32)
     assert vals.shape == (2, 5, 64) and (np.asarray(vals) == 0).all()
 
     m = np.asarray(R.window_mask(jnp.array([[-1, 0, 1, 2, 3, 4]]), jnp.array([[2, 4, -1]]), 3))
@@ -193,15 +192,15 @@ def test_empty_and_window_mask():
                                          [0, 0, 0, 1, 1, 1],
                                          [0, 0, 0, 0, 0, 0]])
     with pytest.raises(ValueError):
-        R.local_keys(ring, "fp8_ue8m0", jnp.float32, jnp.zeros((2, 1, 64)),
+        R.local_keys(ring, jnp.float32, jnp.zeros((2, 1, 64)),
                      jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), 6)
 
 
 def test_position_jump_clears_out_of_window_slots():
     ring = R.empty("native", 1, 4, 2, 0, jnp.float64)
-    ring = _write(ring, "native", np.ones((1, 4, 2)), np.arange(4)[None], np.ones((1, 4), bool))
-    ring = _write(ring, "native", np.full((1, 1, 2), 2.0), np.array([[9]]), np.ones((1, 1), bool))
-    np.testing.assert_array_equal(ring["pos"], [[-1, 9, -1, -1]])
+    ring = _write(ring, np.ones((1, 4, 2)), np.arange(4)[None], np.ones((1, 4), bool))
+    ring = _write(ring, np.full((1, 1, 2), 2.0), np.array([[9]]), np.ones((1, 1), bool))
+    np.testing.assert_array_equal(ring.pos, [[-1, 9, -1, -1]])
 
 
 def test_jit_compiles_once_per_shape():
@@ -209,7 +208,7 @@ def test_jit_compiles_once_per_shape():
 
     def f(ring, values, positions, valid):
         traces.append(1)
-        return R.write(ring, "bf16", values, positions, valid)
+        return R.write(ring, values, positions, valid)
 
     jf = jax.jit(f)
     ring = R.empty("bf16", 2, 3, 4, 0, jnp.float32)
@@ -220,8 +219,8 @@ def test_jit_compiles_once_per_shape():
         pos = jnp.asarray(5 * step + np.arange(5)[None].repeat(2, 0), jnp.int32)
         valid = jnp.asarray([[True] * 5, [True] * 2 + [False] * 3])
         ring = jf(ring, vals, pos, valid)
-        eager = R.write(eager, "bf16", vals, pos, valid)
+        eager = R.write(eager, vals, pos, valid)
     assert len(traces) == 1
-    np.testing.assert_array_equal(ring["pos"], eager["pos"])
-    np.testing.assert_array_equal(ring["kv"]["v"].astype(jnp.float32),
-                                  eager["kv"]["v"].astype(jnp.float32))
+    np.testing.assert_array_equal(ring.pos, eager.pos)
+    np.testing.assert_array_equal(ring.kv["v"].astype(jnp.float32),
+                                  eager.kv["v"].astype(jnp.float32))

@@ -28,12 +28,22 @@ Softmax statistics run in at least float32 (float64 stays float64).
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from dsattn.attention.common import softmax_dtype
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.rope import apply_rope_last
+
+
+@struct.dataclass
+class PoolState:
+    """Streaming accumulators of the open entries, per row and channel: softmax-pooling
+    (max, denominator, weighted sum), each [B, open entries, width] in the stats dtype."""
+
+    max: jax.Array
+    den: jax.Array
+    num: jax.Array
 
 
 def _merge(a, b):
@@ -141,8 +151,8 @@ class Compressor(nnx.Module):
         with overlap slot 1 is the entry after it (it already holds the open span's a-halves).
         Each is a per-channel (max, den, num) triple, [B, coff, width] in the stats dtype."""
         shape, sd = (batch, self.coff, self.width), self.stat_dtype
-        return {"max": jnp.full(shape, -jnp.inf, sd), "den": jnp.zeros(shape, sd),
-                "num": jnp.zeros(shape, sd)}
+        return PoolState(jnp.full(shape, -jnp.inf, sd), jnp.zeros(shape, sd),
+                         jnp.zeros(shape, sd))
 
     def _span_stats_aligned(self, c, z, r0, n_valid, n_span):
         """Per-span (max, den, num) [B, n_span, coff, w]: shift each row right by r0 so slot u
@@ -227,8 +237,8 @@ class Compressor(nnx.Module):
         if self.overlap:
             acc = _merge(acc, place(half(0), 1))  # a-halves feed the next entry
         carry_pad = ((0, 0), (0, n_slot - coff), (0, 0))
-        carried = (jnp.pad(state["max"], carry_pad, constant_values=-jnp.inf),
-                   jnp.pad(state["den"], carry_pad), jnp.pad(state["num"], carry_pad))
+        carried = (jnp.pad(state.max, carry_pad, constant_values=-jnp.inf),
+                   jnp.pad(state.den, carry_pad), jnp.pad(state.num, carry_pad))
         acc_max, acc_den, acc_num = _merge(carried, acc)  # [B, n_slot, w]
 
         # spans completed in this chunk: those ending at or before the last fed position
@@ -241,7 +251,7 @@ class Compressor(nnx.Module):
         entry_index = s0[:, None] + slot
 
         keep = (n_done[:, None] + jnp.arange(coff, dtype=jnp.int32)[None])[..., None]
-        new_state = {"max": jnp.take_along_axis(acc_max, keep, axis=1),
-                     "den": jnp.take_along_axis(acc_den, keep, axis=1),
-                     "num": jnp.take_along_axis(acc_num, keep, axis=1)}
+        new_state = PoolState(jnp.take_along_axis(acc_max, keep, axis=1),
+                              jnp.take_along_axis(acc_den, keep, axis=1),
+                              jnp.take_along_axis(acc_num, keep, axis=1))
         return new_state, entries, entry_index, entry_valid

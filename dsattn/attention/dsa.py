@@ -64,8 +64,8 @@ class DSA(MLA):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
         new = {"entry": self.latents(x, positions), "key": self.index_keys(x, positions)}
-        g = paged.append(cache["global"], self.fields, new, jnp.sum(valid, -1, dtype=jnp.int32))
-        lat, ok, ctx = self.selector.extend(g, self.fields, cq, x, positions, self.theta, ctx,
+        g = paged.append(cache["global"], new, jnp.sum(valid, -1, dtype=jnp.int32))
+        lat, ok, ctx = self.selector.extend(g, cq, x, positions, self.theta, ctx,
                                             self.dtype)  # only the top-k tokens' latents
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), ok)
         return self.absorbed_output(p, lat), {"global": g}, ctx

@@ -147,7 +147,7 @@ def resolve_impl(cfg) -> str:
     return impl
 
 
-def paged_scores(q, w, cache, fields, n_visible, impl: str, interpret: bool, dtype,
+def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool, dtype,
                  block_max: int | None = None):
     """Scores [B, T, max_entries] of queries against every stored search key of a paged
     cache; -inf where the entry is not visible (index >= n_visible [B, T] or >= length).
@@ -160,10 +160,10 @@ def paged_scores(q, w, cache, fields, n_visible, impl: str, interpret: bool, dty
             from dsattn.kernels.indexer_score import paged_scores_tpu as kernel
         else:
             from dsattn.kernels.indexer_score_gpu import paged_scores_gpu as kernel
-        return kernel(q, w, cache["pages"]["key"], cache["page_table"], cache["length"],
-                      n_visible, fields["key"].fmt, interpret=interpret,
-                      max_entries=cache["max_entries"].shape[0], block_max=block_max)
-    keys, stored = paged.read_all(cache, fields, "key", dtype)
+        return kernel(q, w, cache.pages["key"], cache.page_table, cache.length, n_visible,
+                      cache.fields["key"].fmt, interpret=interpret,
+                      max_entries=cache.max_entries, block_max=block_max)
+    keys, stored = paged.read_all(cache, "key", dtype)
     visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) < n_visible[..., None])
     score = jnp.where(visible, scores(q, w, keys), -jnp.inf)
     return score if block_max is None else (score, block_scores(score, visible, block_max))

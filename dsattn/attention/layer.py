@@ -69,16 +69,15 @@ class V4Attention(nnx.Module):
         layer's new cache, next context)."""
         q, qr = self.query(x, positions, self.theta)
         kv = self.local(x, positions, self.theta)
-        keys, key_pos = ring.local_keys(cache["ring"], self.local_fmt, self.dtype, kv,
-                                        positions, valid, self.window, self.rope_dim)
-        new = {"ring": ring.write(cache["ring"], self.local_fmt, kv, positions, valid,
-                                  self.rope_dim)}
+        keys, key_pos = ring.local_keys(cache["ring"], self.dtype, kv, positions, valid,
+                                        self.window)
+        new = {"ring": ring.write(cache["ring"], kv, positions, valid)}
         parts = [(keys, ring.window_mask(key_pos, positions, self.window))]
         if self.source is not None:
             g, own, ctx = self.source.extend(cache, x, positions, valid, ctx)
             new.update(own)
-            entries, ok, ctx = self.selector.extend(g, self.source.fields, qr, x, positions,
-                                                    self.theta, ctx, self.dtype)
+            entries, ok, ctx = self.selector.extend(g, qr, x, positions, self.theta, ctx,
+                                                    self.dtype)
             parts.insert(0, (entries, ok))
         y, _ = self.core(q, parts, positions, self.theta)
         return y, new, ctx

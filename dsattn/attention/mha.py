@@ -73,11 +73,9 @@ class MHA(nnx.Module):
     def extend(self, x, positions, valid, cache, ctx=None):
         """Append x's tokens at `positions` (where `valid`) and attend over the cache."""
         q, k, v = self._qkv(x, positions)
-        cache = {"k": contiguous.write(cache["k"], self.fmt, k, positions, valid,
-                                       heads_first=True),
-                 "v": contiguous.write(cache["v"], self.fmt, v, positions, valid,
-                                       heads_first=True)}
-        keys = contiguous.read(cache["k"], self.fmt, self.dtype)
-        vals = contiguous.read(cache["v"], self.fmt, self.dtype)
+        cache = {"k": contiguous.write(cache["k"], k, positions, valid),
+                 "v": contiguous.write(cache["v"], v, positions, valid)}
+        keys = contiguous.read(cache["k"], self.dtype)
+        vals = contiguous.read(cache["v"], self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
         return self._attend(q, keys, vals, causal_mask(positions, k_pos)), cache, ctx

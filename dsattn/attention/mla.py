@@ -128,9 +128,9 @@ class MLA(nnx.Module):
 
     def extend(self, x, positions, valid, cache, ctx=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
-        stored = contiguous.write(cache["latent"], self.fmt, self.latents(x, positions),
-                                  positions, valid, self.dr)
-        lat = contiguous.read(stored, self.fmt, self.dtype)
+        stored = contiguous.write(cache["latent"], self.latents(x, positions), positions,
+                                  valid)
+        lat = contiguous.read(stored, self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
         p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), causal_mask(positions, k_pos))
         return self.absorbed_output(p, lat), {"latent": stored}, ctx

@@ -36,8 +36,8 @@ class AllEntries(nnx.Module):
     def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
         return _visible(positions, self.stride, n), None, ctx
 
-    def extend(self, g, fields, q_latent, x, positions, theta, ctx, dtype):
-        entries, stored = paged.read_all(g, fields, "entry", dtype)
+    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
+        entries, stored = paged.read_all(g, "entry", dtype)
         mask = stored[:, None, :] & _visible(positions, self.stride, entries.shape[1])
         return entries, mask, ctx
 
@@ -51,8 +51,8 @@ class ReusedSelection(nnx.Module):
     def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
         return ctx.selection, None, ctx
 
-    def extend(self, g, fields, q_latent, x, positions, theta, ctx, dtype):
-        entries, got = paged.gather(g, fields, "entry", ctx.selection.idx, dtype)
+    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
+        entries, got = paged.gather(g, "entry", ctx.selection.idx, dtype)
         return entries, ctx.selection.ok & got, ctx
 
 
@@ -97,14 +97,14 @@ class IndexerSelector(nnx.Module):
         """The indexer's KL loss against the attention mass `target` [B, T, n] per item."""
         return self.loss_weight * indexer.kl_loss(score, target, mask)
 
-    def _select(self, g, fields, iq, w, n_vis, ctx, dtype):
+    def _select(self, g, iq, w, n_vis, ctx, dtype):
         if self.reads_pool and ctx.pool is not None:  # score only the pooled candidates
             pool = ctx.pool
-            keys, got = paged.gather(g, fields, "key", pool.idx, dtype)
+            keys, got = paged.gather(g, "key", pool.idx, dtype)
             pick, ok = indexer.select(indexer.gathered_scores(iq, w, keys), pool.ok & got,
                                       self.top_k, self.method)
             return Selection(jnp.take_along_axis(pool.idx, pick, axis=-1), ok), ctx
-        score = indexer.paged_scores(iq, w, g, fields, n_vis, self.impl, self.interpret,
+        score = indexer.paged_scores(iq, w, g, n_vis, self.impl, self.interpret,
                                      dtype, block_max=self.pool_block if self.pool_blocks
                                      else None)
         if self.pool_blocks:  # the pool ranks blocks by their maxima
@@ -113,14 +113,13 @@ class IndexerSelector(nnx.Module):
                 maxima, n_vis, self.pool_block, self.pool_blocks)))
         return Selection(*indexer.select(score, score > -jnp.inf, self.top_k, self.method)), ctx
 
-    def extend(self, g, fields, q_latent, x, positions, theta, ctx, dtype):
+    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
         """Cached: (the selected items [B, T, k, width], which are real, next context)."""
         iq, w = self.index_q(q_latent, x, positions, theta)
-        sel, ctx = self._select(g, fields, iq, w, n_visible(positions, self.stride), ctx,
-                                dtype)
+        sel, ctx = self._select(g, iq, w, n_visible(positions, self.stride), ctx, dtype)
         if self.publishes:
             ctx = ctx.replace(selection=sel)
-        entries, got = paged.gather(g, fields, "entry", sel.idx, dtype)
+        entries, got = paged.gather(g, "entry", sel.idx, dtype)
         return entries, sel.ok & got, ctx
 
 

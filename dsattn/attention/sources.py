@@ -135,8 +135,7 @@ class OwnEntries(nnx.Module):
                                                       valid, pre, index)
             parts.update(kparts)
             new["key"] = comp.rope_entries(kpre, kidx, self.key_rope, self.theta)
-        g = paged.append(cache["global"], self.fields, new,
-                         jnp.sum(done, -1, dtype=jnp.int32))
+        g = paged.append(cache["global"], new, jnp.sum(done, -1, dtype=jnp.int32))
         parts["global"] = g
         if self.spec.kind.shares:
             ctx = ctx.replace(global_cache=g)
@@ -146,9 +145,6 @@ class OwnEntries(nnx.Module):
 class BorrowedEntries(nnx.Module):
     """The latest full layer's entries and keys (training) or paged cache (cached); no
     parameters and no cache of its own."""
-
-    def __init__(self, cfg, spec: LayerSpec):
-        self.fields = paged_fields(cfg, spec)
 
     def __call__(self, x, ctx: StackContext, n: int):
         return ctx.entries, ctx.keys, ctx
@@ -165,5 +161,5 @@ def make(cfg, spec: LayerSpec, theta: float, rngs: nnx.Rngs):
     if spec.kind.source is Source.COMPRESSOR:
         return OwnEntries(cfg, spec, theta, rngs)
     if spec.kind.source is Source.BORROWED:
-        return BorrowedEntries(cfg, spec)
+        return BorrowedEntries()
     return None

@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from dsattn import config as config_lib
-from dsattn import data, generate, kvbytes
-from dsattn.cache import paged
+from dsattn import data, generate, kvbytes, plan
+from dsattn.attention.compressor import PoolState
+from dsattn.cache import contiguous, paged, ring
 from dsattn.model import Transformer
 
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
@@ -49,22 +50,20 @@ def bench_config(name: str, depth: int | None, *overrides: str, config_dir):
 
 
 # ------------------------------------------------------------------------------ contexts
-def _paged_fields(attn):
-    """The fields of a layer's paged global cache: a V4 layer's entry source's, DSA's own."""
-    source = getattr(attn, "source", None)
-    return (source if source is not None else attn).fields
+_append = jax.jit(paged.append)  # one compile per cache layout
 
 
-def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) -> dict:
-    """The cache after n tokens per row, with random values: ``pos`` = n, ring slots hold
-    positions n-W..n-1, each global cache holds n // ratio complete entries (appended through
-    ``paged.append``, so page tables and free stacks are real), contiguous caches are filled.
-    Streaming compressor state stays empty (n is expected to be a multiple of every ratio)."""
+def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
+    """The decode state after n tokens per row, with random values: ``pos`` = n, ring slots
+    hold positions n-W..n-1, each paged global cache holds n // ratio complete entries
+    (appended through ``paged.append``, so page tables and free stacks are real), contiguous
+    caches are filled. Streaming compressor state stays empty (n is expected to be a
+    multiple of every ratio)."""
     key = jax.random.PRNGKey(seed)
-    b = cache["pos"].shape[0]
-    if n > generate.cache_capacity(cache):
-        raise ValueError(f"synthetic_context: {n} tokens exceed the cache's "
-                         f"{generate.cache_capacity(cache)} positions")
+    b = cache.pos.shape[0]
+    if n > cache.max_len:
+        raise ValueError(f"synthetic_context: {n} tokens exceed the cache's {cache.max_len} "
+                         f"positions")
 
     def rand(shape, dtype):
         nonlocal key
@@ -75,29 +74,29 @@ def synthetic_context(model: Transformer, cache: dict, n: int, seed: int = 0) ->
             return (0.5 * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
         return jax.random.randint(sub, shape, 0, 256).astype(dtype)  # packed FP4 bytes
 
-    layers = []
-    for block, lc in zip(model.blocks, cache["layers"]):
-        attn, lc = block.attn, dict(lc)
-        for name, part in lc.items():
-            if name == "ring":
-                w = part["pos"].shape[1]
-                slot = jnp.arange(w)
-                first = max(n - w, 0)
-                pos = first + (slot - first) % w
-                pos = jnp.where(pos < n, pos, -1)
-                lc[name] = {"kv": jax.tree.map(lambda a: rand(a.shape, a.dtype), part["kv"]),
-                            "pos": jnp.broadcast_to(pos, part["pos"].shape).astype(jnp.int32)}
-            elif name == "global":
-                ratio = getattr(attn, "ratio", 1) or 1
-                e = n // ratio
-                fields = _paged_fields(attn)
-                new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in fields.items()}
-                append = jax.jit(lambda p, x, k, f=fields: paged.append(p, f, x, k))
-                lc[name] = append(part, new, jnp.full((b,), e, jnp.int32))  # one compile
-            elif name not in ("comp", "key_comp"):  # contiguous caches: every leaf
-                lc[name] = jax.tree.map(lambda a: rand(a.shape, a.dtype), part)
-        layers.append(lc)
-    out = {**cache, "pos": jnp.full((b,), n, jnp.int32), "layers": tuple(layers)}
+    def filled(part, stride):
+        if isinstance(part, ring.Ring):
+            w = part.pos.shape[1]
+            first = max(n - w, 0)
+            pos = first + (jnp.arange(w) - first) % w
+            return part.replace(kv=jax.tree.map(lambda a: rand(a.shape, a.dtype), part.kv),
+                                pos=jnp.broadcast_to(jnp.where(pos < n, pos, -1),
+                                                     part.pos.shape).astype(jnp.int32))
+        if isinstance(part, paged.PagedCache):
+            e = n // stride
+            new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in part.fields.items()}
+            return _append(part, new, jnp.full((b,), e, jnp.int32))
+        if isinstance(part, contiguous.Contiguous):
+            return part.replace(stored=jax.tree.map(lambda a: rand(a.shape, a.dtype),
+                                                    part.stored))
+        return part  # streaming compressor state: empty at a span boundary
+
+    typed = (ring.Ring, paged.PagedCache, contiguous.Contiguous, PoolState)
+    layers = tuple(
+        jax.tree.map(lambda part, s=spec: filled(part, s.stride), lc,
+                     is_leaf=lambda x: isinstance(x, typed))
+        for spec, lc in zip(plan.resolve(model.cfg), cache.layers))
+    out = cache.replace(pos=jnp.full((b,), n, jnp.int32), layers=layers)
     generate.check_cache(out)
     return out
 

@@ -9,41 +9,57 @@ too, but never arrives, since generate refuses (and flags) a row that would pass
 before any layer sees it (see generate.check_cache).
 """
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
 from dsattn.cache import formats
 
 
+@struct.dataclass
+class Contiguous:
+    """One vector per (row, slot), slot = position: the format's stored arrays, [B, L, ...]
+    ([B, G, L, ...] heads first), with the format and layout as static fields."""
+
+    stored: dict
+    fmt: str = struct.field(pytree_node=False)
+    rope: int = struct.field(pytree_node=False)
+    heads_first: bool = struct.field(pytree_node=False)
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.stored.values())).shape[2 if self.heads_first else 1]
+
+
 def empty(fmt: str, batch: int, max_len: int, inner: tuple, width: int, rope: int, dtype,
-          heads_first: bool = False):
+          heads_first: bool = False) -> Contiguous:
     """Zeroed storage for [batch, max_len, *inner] vectors of `width` dims, or
     [batch, head, max_len] ones with `heads_first` (one inner dim)."""
     shape = ((batch,) + tuple(inner) + (max_len,) if heads_first
              else (batch, max_len) + tuple(inner))
-    return formats.empty(fmt, shape, width, rope, dtype)
+    return Contiguous(formats.empty(fmt, shape, width, rope, dtype), fmt, rope, heads_first)
 
 
-def write(stored: dict, fmt: str, values, positions, valid, rope: int = 0,
-          heads_first: bool = False) -> dict:
+def write(c: Contiguous, values, positions, valid) -> Contiguous:
     """Store values [B, T, *inner, w] at slots positions [B, T] where valid [B, T]."""
-    max_len = next(iter(stored.values())).shape[2 if heads_first else 1]
+    stored, max_len = c.stored, c.max_len
     slots = jnp.where(valid, positions, max_len)  # out of range -> dropped
     rows = jnp.arange(values.shape[0])[:, None]
-    enc = formats.encode(fmt, values, rope)
-    if heads_first:  # [B, T, G, ...] values into [B, G, L, ...] storage
+    enc = formats.encode(c.fmt, values, c.rope)
+    if c.heads_first:  # [B, T, G, ...] values into [B, G, L, ...] storage
         heads = jnp.arange(values.shape[2])[None, :, None]
-        return {k: stored[k].at[rows[:, None], heads, slots[:, None]].set(
-            jnp.swapaxes(enc[k], 1, 2).astype(stored[k].dtype), mode="drop") for k in stored}
+        return c.replace(stored={k: stored[k].at[rows[:, None], heads, slots[:, None]].set(
+            jnp.swapaxes(enc[k], 1, 2).astype(stored[k].dtype), mode="drop") for k in stored})
     if values.shape[0] * values.shape[1] == 1:
         # One update (batch-1 decode): XLA turns a one-update scatter into a dynamic-update-
         # slice, which XLA:CPU then performs on a copy of the whole cache, every step. A
         # second, dropped update (slot max_len) keeps it a scatter, updated in place.
         slots = jnp.concatenate([slots, jnp.full_like(slots, max_len)], 1)
         enc = {k: jnp.concatenate([v, v], 1) for k, v in enc.items()}
-    return {k: stored[k].at[rows, slots].set(enc[k].astype(stored[k].dtype), mode="drop")
-            for k in stored}
+    return c.replace(stored={k: stored[k].at[rows, slots].set(enc[k].astype(stored[k].dtype),
+                                                              mode="drop") for k in stored})
 
 
-def read(stored: dict, fmt: str, dtype):
+def read(c: Contiguous, dtype) -> jax.Array:
     """All slots decoded to the compute dtype: [B, L, *inner, w] ([B, G, L, w])."""
-    return formats.decode(fmt, stored, dtype)
+    return formats.decode(c.fmt, c.stored, dtype)

@@ -6,19 +6,19 @@ Entry ``i`` of row ``b`` lives at ``pages[page_table[b, i // page_size], i % pag
 Several named fields (e.g. the main entry and the indexer's search key) share one page table
 and one length; each is stored in its own cache format (``dsattn/cache/formats.py``).
 
-The cache is a plain dict pytree (all functions pure, jit-compatible, static shapes)::
+The cache is a `PagedCache` pytree (all functions pure, jit-compatible, static shapes)::
 
-    "pages"        {name: formats.empty(fmt, (n_pages, page_size), width, rope, dtype)}
-    "page_table"   int32 [B, pages_per_row]      pages_per_row = ceil(max_entries / page_size)
-    "length"       int32 [B]                     entries stored per row
-    "free"         int32 [n_pages]               stack of free page ids: free[:n_free] are
-                                                 free, the top (next popped) is free[n_free-1];
-                                                 slots >= n_free hold -1
-    "n_free"       int32 []
-    "overflow"     bool []                       sticky: an append could not get a page (pool
-                                                 exhausted) or would pass max_entries
-    "max_entries"  bool [max_entries, 0]         zero-byte array; its shape carries the static
-                                                 per-row capacity (read_all's width)
+    pages        {name: formats.empty(fmt, (n_pages, page_size), width, rope, dtype)}
+    page_table   int32 [B, pages_per_row]      pages_per_row = ceil(max_entries / page_size)
+    length       int32 [B]                     entries stored per row
+    free         int32 [n_pages]               stack of free page ids: free[:n_free] are free,
+                                               the top (next popped) is free[n_free-1]; slots
+                                               >= n_free hold -1
+    n_free       int32 []
+    overflow     bool []                       sticky: an append could not get a page (pool
+                                               exhausted) or would pass max_entries
+    fields, page_size, max_entries             static (not pytree leaves): the stored fields'
+                                               formats and widths, and the geometry
 
 Allocation happens lazily in ``append``: a row holds exactly ceil(length / page_size) pages,
 popped from the free stack in row order (a cumulative sum of the rows' needs; deterministic).
@@ -42,6 +42,8 @@ from typing import Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+from flax.core import FrozenDict
 
 from dsattn.cache import formats
 from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
@@ -55,8 +57,25 @@ class Field(NamedTuple):
     rope: int = 0
 
 
+@struct.dataclass
+class PagedCache:
+    pages: dict  # name -> the format's stored arrays [n_pages, page_size, ...]
+    page_table: jax.Array
+    length: jax.Array
+    free: jax.Array
+    n_free: jax.Array
+    overflow: jax.Array
+    fields: FrozenDict = struct.field(pytree_node=False)  # name -> Field
+    page_size: int = struct.field(pytree_node=False)
+    max_entries: int = struct.field(pytree_node=False)
+
+    @property
+    def n_pages(self) -> int:
+        return self.free.shape[-1]
+
+
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
-          dtype=jnp.float32, n_pages: int | None = None) -> dict:
+          dtype=jnp.float32, n_pages: int | None = None) -> PagedCache:
     """An empty paged cache for ``batch`` rows of up to ``max_entries`` entries each.
 
     ``n_pages`` defaults to batch * ceil(max_entries / page_size), which never runs out;
@@ -73,51 +92,42 @@ def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: 
         raise ValueError(f"paged.empty: n_pages must be positive, got {n_pages}")
     for name, f in fields.items():
         formats.check_width(f.fmt, f.width, f.rope, f"paged field {name!r}")
-    return {
-        "pages": {name: formats.empty(f.fmt, (n_pages, page_size), f.width, f.rope, dtype)
-                  for name, f in fields.items()},
-        "page_table": jnp.full((batch, per_row), -1, jnp.int32),
-        "length": jnp.zeros((batch,), jnp.int32),
+    return PagedCache(
+        pages={name: formats.empty(f.fmt, (n_pages, page_size), f.width, f.rope, dtype)
+               for name, f in fields.items()},
+        page_table=jnp.full((batch, per_row), -1, jnp.int32),
+        length=jnp.zeros((batch,), jnp.int32),
         # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
-        "free": jnp.arange(n_pages - 1, -1, -1, dtype=jnp.int32),
-        "n_free": jnp.asarray(n_pages, jnp.int32),
-        "overflow": jnp.asarray(False),
-        "max_entries": jnp.zeros((max_entries, 0), jnp.bool_),
-    }
-
-
-def _geometry(cache) -> tuple[int, int, int]:
-    """(n_pages, page_size, max_entries) from the static shapes."""
-    n_pages = cache["free"].shape[0]
-    first = next(iter(cache["pages"].values()))
-    page_size = next(iter(first.values())).shape[1]
-    return n_pages, page_size, cache["max_entries"].shape[0]
+        free=jnp.arange(n_pages - 1, -1, -1, dtype=jnp.int32),
+        n_free=jnp.asarray(n_pages, jnp.int32),
+        overflow=jnp.asarray(False),
+        fields=FrozenDict(fields), page_size=page_size, max_entries=max_entries)
 
 
 def _ceil_div(a, b: int):
     return (a + (b - 1)) // b
 
 
-def append(cache: dict, fields: Mapping[str, Field], new: Mapping[str, jax.Array],
-           n_new) -> dict:
+def append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache:
     """Append each row's first ``n_new[b]`` entries of ``new[name]`` [B, E, width].
 
-    Every field of ``fields`` must be given (they share one length). ``n_new`` is clipped to
+    Every field of the cache must be given (they share one length). ``n_new`` is clipped to
     [0, E]. Rows needing pages get them from the free stack in row order; a row that cannot
     get all the pages it needs, or would pass max_entries, writes nothing, keeps its length,
     and sets ``overflow``.
     """
+    fields = cache.fields
     if set(new) != set(fields):
         raise ValueError(f"paged.append: got fields {sorted(new)}, cache has {sorted(fields)}")
-    n_pages, ps, max_entries = _geometry(cache)
-    table, length = cache["page_table"], cache["length"]
+    n_pages, ps, max_entries = cache.n_pages, cache.page_size, cache.max_entries
+    table, length = cache.page_table, cache.length
     B, per_row = table.shape
     E = next(iter(new.values())).shape[1]
     for name, x in new.items():
         if x.shape[:2] != (B, E) or x.shape[-1] != fields[name].width:
             raise ValueError(f"paged.append: field {name!r} has shape {x.shape}, expected "
                              f"({B}, {E}, {fields[name].width})")
-    n_free = cache["n_free"]
+    n_free = cache.n_free
 
     n = jnp.clip(jnp.asarray(n_new, jnp.int32).reshape(B), 0, E)
     new_len = length + n
@@ -130,16 +140,16 @@ def append(cache: dict, fields: Mapping[str, Field], new: Mapping[str, jax.Array
     # form a prefix of the needing rows, so their `start` offsets are exact.
     granted = fits & ((need == 0) | (cum <= n_free))
     taken = jnp.sum(jnp.where(granted, need, 0))
-    overflow = cache["overflow"] | jnp.any((n > 0) & ~granted)
+    overflow = cache.overflow | jnp.any((n > 0) & ~granted)
 
     # Page table: slot j of row b gets the (j - have[b])-th page popped for that row.
     j = jnp.arange(per_row, dtype=jnp.int32)[None, :]
     k = j - have[:, None]
     fresh = granted[:, None] & (k >= 0) & (k < need[:, None])
     pop = jnp.clip(n_free - 1 - (start[:, None] + k), 0, n_pages - 1)
-    table = jnp.where(fresh, cache["free"][pop], table)
+    table = jnp.where(fresh, cache.free[pop], table)
     n_free_new = n_free - taken
-    free = jnp.where(jnp.arange(n_pages) < n_free_new, cache["free"], -1)
+    free = jnp.where(jnp.arange(n_pages) < n_free_new, cache.free, -1)
 
     # Scatter the new entries to (page, slot); everything not written goes out of range.
     e = jnp.arange(E, dtype=jnp.int32)[None, :]
@@ -152,32 +162,25 @@ def append(cache: dict, fields: Mapping[str, Field], new: Mapping[str, jax.Array
     pages = {}
     for name, f in fields.items():
         enc = formats.encode(f.fmt, new[name], f.rope)
-        stored = cache["pages"][name]
+        stored = cache.pages[name]
         pages[name] = {a: stored[a].at[page, slot].set(enc[a].astype(stored[a].dtype),
                                                        mode="drop")
                        for a in stored}
 
-    return {
-        "pages": pages,
-        "page_table": table,
-        "length": jnp.where(granted, new_len, length),
-        "free": free,
-        "n_free": n_free_new,
-        "overflow": overflow,
-        "max_entries": cache["max_entries"],
-    }
+    return cache.replace(pages=pages, page_table=table,
+                         length=jnp.where(granted, new_len, length), free=free,
+                         n_free=n_free_new, overflow=overflow)
 
 
-def gather(cache: dict, fields: Mapping[str, Field], name: str, idx,
-           dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def gather(cache: PagedCache, name: str, idx, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """Decode the entries at per-row indices ``idx`` [B, ..., K].
 
     Returns (values [B, ..., K, width] in ``dtype``, valid [B, ..., K]) with
     valid = 0 <= idx < length[b]; invalid positions read as zeros. Only the selected entries
     are gathered and decoded.
     """
-    _, ps, _ = _geometry(cache)
-    table, length = cache["page_table"], cache["length"]
+    ps = cache.page_size
+    table, length = cache.page_table, cache.length
     B, per_row = table.shape
     idx = jnp.asarray(idx, jnp.int32)
     flat = idx.reshape(B, -1)
@@ -186,74 +189,62 @@ def gather(cache: dict, fields: Mapping[str, Field], name: str, idx,
     page = jnp.take_along_axis(table, jnp.clip(safe // ps, 0, per_row - 1), axis=1)
     page = jnp.where(valid, jnp.maximum(page, 0), 0)
     slot = safe % ps
-    stored = cache["pages"][name]
-    picked = {a: v[page, slot] for a, v in stored.items()}  # [B, N, ...]
-    vals = formats.decode(fields[name].fmt, picked, dtype)
+    picked = {a: v[page, slot] for a, v in cache.pages[name].items()}  # [B, N, ...]
+    vals = formats.decode(cache.fields[name].fmt, picked, dtype)
     vals = jnp.where(valid[..., None], vals, jnp.zeros((), vals.dtype))
     return vals.reshape(idx.shape + (vals.shape[-1],)), valid.reshape(idx.shape)
 
 
-def read_all(cache: dict, fields: Mapping[str, Field], name: str,
-             dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def read_all(cache: PagedCache, name: str, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """Every entry slot of every row: (values [B, max_entries, width], valid [B, max_entries]).
 
     valid = index < length[b]; invalid slots are zeros.
     """
-    _, ps, max_entries = _geometry(cache)
-    table, length = cache["page_table"], cache["length"]
+    ps, max_entries = cache.page_size, cache.max_entries
+    table, length = cache.page_table, cache.length
     B, per_row = table.shape
     pages = jnp.maximum(table, 0)  # unassigned slots are masked below
-    stored = cache["pages"][name]
     rows = {a: v[pages].reshape((B, per_row * ps) + v.shape[2:])[:, :max_entries]
-            for a, v in stored.items()}
-    vals = formats.decode(fields[name].fmt, rows, dtype)
+            for a, v in cache.pages[name].items()}
+    vals = formats.decode(cache.fields[name].fmt, rows, dtype)
     valid = jnp.arange(max_entries)[None, :] < length[:, None]
     vals = jnp.where(valid[..., None], vals, jnp.zeros((), vals.dtype))
     return vals, valid
 
 
-def release(cache: dict, rows) -> dict:
+def release(cache: PagedCache, rows) -> PagedCache:
     """Return the pages of rows where ``rows`` [B] is True to the free stack; reset the rows.
 
     Pages are pushed in row-major (row, page slot) order and are not cleared: reads are
     masked by length, so their old bytes are never visible to the next owner.
     """
-    n_pages, _, _ = _geometry(cache)
-    table = cache["page_table"]
+    table = cache.page_table
     rows = jnp.asarray(rows, bool).reshape(table.shape[0])
     held = rows[:, None] & (table >= 0)
     flat_held = held.reshape(-1)
     offs = jnp.cumsum(flat_held) - flat_held
-    dest = jnp.where(flat_held, cache["n_free"] + offs, n_pages)
-    free = cache["free"].at[dest].set(table.reshape(-1), mode="drop")
-    out = dict(cache)
-    out.update(
-        free=free,
-        n_free=cache["n_free"] + jnp.sum(flat_held, dtype=jnp.int32),
+    dest = jnp.where(flat_held, cache.n_free + offs, cache.n_pages)
+    return cache.replace(
+        free=cache.free.at[dest].set(table.reshape(-1), mode="drop"),
+        n_free=cache.n_free + jnp.sum(flat_held, dtype=jnp.int32),
         page_table=jnp.where(rows[:, None], -1, table),
-        length=jnp.where(rows, 0, cache["length"]),
-    )
-    return out
+        length=jnp.where(rows, 0, cache.length))
 
 
-def pages_in_use(cache: dict) -> jax.Array:
+def pages_in_use(cache: PagedCache) -> jax.Array:
     """int32: pages currently owned by rows (n_pages - n_free)."""
-    return jnp.int32(cache["free"].shape[-1]) - cache["n_free"]
+    return jnp.int32(cache.n_pages) - cache.n_free
 
 
-def check(cache: dict) -> None:
+def check(cache: PagedCache) -> None:
     """Host-side: raise CacheExhausted if any append overflowed (works on stacked caches)."""
-    if not bool(np.any(np.asarray(jax.device_get(cache["overflow"])))):
+    if not bool(np.any(np.asarray(jax.device_get(cache.overflow)))):
         return
-    n_pages = cache["free"].shape[-1]
-    first = next(iter(cache["pages"].values()))
-    page_size = next(iter(first.values())).shape[-2]  # [..., n_pages, page_size, k]
-    max_entries = cache["max_entries"].shape[-2]
-    batch = cache["length"].shape[-1]
+    n_pages, page_size = cache.n_pages, cache.page_size
     raise CacheExhausted(
         f"global cache pool exhausted: {n_pages} pages of {page_size} entries "
-        f"({n_pages * page_size} entries) shared by {batch} rows, at most {max_entries} "
-        f"entries per row; an append that could not get a page or would pass its row's "
-        f"limit was dropped (that row keeps its earlier entries). init_cache(..., "
-        f"max_len=...) sizes both so that every row can reach max_len: use a larger max_len "
-        f"(or a larger n_pages for a pool made with paged.empty)")
+        f"({n_pages * page_size} entries) shared by {cache.length.shape[-1]} rows, at most "
+        f"{cache.max_entries} entries per row; an append that could not get a page or would "
+        f"pass its row's limit was dropped (that row keeps its earlier entries). init_cache("
+        f"..., max_len=...) sizes both so that every row can reach max_len: use a larger "
+        f"max_len (or a larger n_pages for a pool made with paged.empty)")

@@ -1,8 +1,8 @@
 """Local ring cache: per row, the last W positions (V4's sliding-window KV), stored in a format.
 
-A ring holds ``{"kv": <formats storage [B, W, ...]>, "pos": int32 [B, W]}``: slot ``p % W``
-holds position ``p``'s vector and ``pos[b, s]`` is the absolute position stored in slot ``s``
-of row ``b`` (-1: empty). Rows are independent: positions are absolute per row and a ragged
+A `Ring` holds ``kv`` (the format's storage [B, W, ...]) and ``pos`` (int32 [B, W]), with its
+format and rotary width as static fields: slot ``p % W`` holds position ``p``'s vector and
+``pos[b, s]`` is the absolute position stored in slot ``s`` of row ``b`` (-1: empty). Rows are independent: positions are absolute per row and a ragged
 batch advances each row by its own number of valid entries.
 
 All functions are pure jnp with static shapes (format names and rope widths are static), so
@@ -10,35 +10,43 @@ they run under ``jax.jit``; a step's chunk of T new entries may be longer than t
 
 Typical use in one local-attention layer, for a chunk (prefill) or a single token (decode)::
 
-    keys, key_pos = ring.local_keys(r, fmt, dtype, kv, pos, valid, W, rope=r_dims)
+    keys, key_pos = ring.local_keys(r, dtype, kv, pos, valid, W)
     mask = ring.window_mask(key_pos, pos, W)        # [B, T, W + T]
     ...attend(q, keys, mask)...
-    r = ring.write(r, fmt, kv, pos, valid, rope=r_dims)
+    r = ring.write(r, kv, pos, valid)
 """
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
 from dsattn.cache import formats
 
 
-def _window(ring: dict) -> int:
-    return ring["pos"].shape[1]
+@struct.dataclass
+class Ring:
+    kv: dict  # the format's stored arrays [B, W, ...]
+    pos: jax.Array  # int32 [B, W]: position held by each slot, -1 empty
+    fmt: str = struct.field(pytree_node=False)
+    rope: int = struct.field(pytree_node=False)  # trailing rotary dims of each vector
 
 
-def empty(fmt: str, batch: int, window: int, width: int, rope: int, dtype) -> dict:
+def _window(ring: Ring) -> int:
+    return ring.pos.shape[1]
+
+
+def empty(fmt: str, batch: int, window: int, width: int, rope: int, dtype) -> Ring:
     """An empty ring of ``window`` slots per row for vectors of ``width`` dims.
 
     ``kv`` is zeroed storage of the format (decodes to 0.0); ``pos`` is -1 everywhere.
     """
     if window < 1:
         raise ValueError(f"ring window must be >= 1, got {window}")
-    return {
-        "kv": formats.empty(fmt, (batch, window), width, rope, dtype),
-        "pos": jnp.full((batch, window), -1, jnp.int32),
-    }
+    return Ring(formats.empty(fmt, (batch, window), width, rope, dtype),
+                jnp.full((batch, window), -1, jnp.int32), fmt, rope)
 
 
-def write(ring: dict, fmt: str, values, positions, valid, rope: int = 0) -> dict:
+def write(ring: Ring, values, positions, valid) -> Ring:
     """Store values [B, T, w] at absolute positions [B, T] where valid [B, T]; slot = p mod W.
 
     Valid positions of a row must be distinct and >= 0 (they normally are consecutive).
@@ -47,7 +55,7 @@ def write(ring: dict, fmt: str, values, positions, valid, rope: int = 0) -> dict
     indices applies them in an unspecified order. After the write, slots of such a row holding
     positions <= max - W (out of its window; only possible when the row's positions jump) are
     marked empty. Rows with no valid entry are untouched (storage and positions). Values are
-    encoded with ``formats.encode(fmt, values, rope)`` before the scatter.
+    encoded in the ring's format before the scatter.
     """
     w_slots = _window(ring)
     positions = jnp.asarray(positions).astype(jnp.int32)
@@ -58,18 +66,17 @@ def write(ring: dict, fmt: str, values, positions, valid, rope: int = 0) -> dict
     slots = jnp.where(keep, positions % w_slots, w_slots)  # out of range -> dropped
     rows = jnp.arange(positions.shape[0])[:, None]
 
-    enc = formats.encode(fmt, values, rope)
+    enc = formats.encode(ring.fmt, values, ring.rope)
     kv = {k: a.at[rows, slots].set(enc[k].astype(a.dtype), mode="drop")
-          for k, a in ring["kv"].items()}
-    pos = ring["pos"].at[rows, slots].set(positions, mode="drop")
+          for k, a in ring.kv.items()}
+    pos = ring.pos.at[rows, slots].set(positions, mode="drop")
     stale = has[:, None] & (pos <= top[:, None] - w_slots)
-    pos = jnp.where(stale, -1, pos)
-    return {"kv": kv, "pos": pos}
+    return ring.replace(kv=kv, pos=jnp.where(stale, -1, pos))
 
 
-def read(ring: dict, fmt: str, dtype):
+def read(ring: Ring, dtype):
     """All slots decoded: (values [B, W, w] in ``dtype``, positions int32 [B, W], -1 empty)."""
-    return formats.decode(fmt, ring["kv"], dtype), ring["pos"]
+    return formats.decode(ring.fmt, ring.kv, dtype), ring.pos
 
 
 def window_mask(slot_pos, q_pos, window: int):
@@ -85,8 +92,7 @@ def window_mask(slot_pos, q_pos, window: int):
     return (k >= 0) & (k <= q) & (k > q - window)
 
 
-def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid,
-               window: int, rope: int = 0):
+def local_keys(ring: Ring, dtype, chunk_values, chunk_pos, chunk_valid, window: int):
     """Keys a chunk's queries attend over: concat[ring BEFORE this chunk's write, the chunk].
 
     Returns (keys [B, W + T, w] in ``dtype``, key_pos int32 [B, W + T]); invalid chunk entries
@@ -100,7 +106,7 @@ def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid
     every window that precedes the chunk; ``window`` <= W) and the chunk supplies the rest.
     Ring keys and chunk keys never share a position, since the chunk continues the row.
 
-    Chunk keys go through ``decode(encode(fmt, ., rope))``, i.e. they carry exactly the numbers
+    Chunk keys go through the ring's ``decode(encode(.))``, i.e. they carry exactly the numbers
     the ring will hold after ``write``, so a query's result does not depend on how the
     sequence was chunked (or whether it is decoded token by token). For ``native`` this is
     the identity.
@@ -108,9 +114,10 @@ def local_keys(ring: dict, fmt: str, dtype, chunk_values, chunk_pos, chunk_valid
     w_slots = _window(ring)
     if window > w_slots:
         raise ValueError(f"window {window} exceeds the ring's {w_slots} slots")
-    ring_vals, ring_pos = read(ring, fmt, dtype)
+    ring_vals, ring_pos = read(ring, dtype)
     chunk_values = jnp.asarray(chunk_values)
-    chunk_keys = formats.decode(fmt, formats.encode(fmt, chunk_values, rope), dtype)
+    chunk_keys = formats.decode(ring.fmt, formats.encode(ring.fmt, chunk_values, ring.rope),
+                                dtype)
     cpos = jnp.where(jnp.asarray(chunk_valid).astype(bool),
                      jnp.asarray(chunk_pos).astype(jnp.int32), -1)
     keys = jnp.concatenate([ring_vals, chunk_keys], axis=1)

@@ -11,7 +11,7 @@ rule (callers pass min(visible, length)). Top-k runs afterwards in XLA.
 Shared arguments:
     q           [B, T, H, d]   indexer queries (any float dtype; computed in float32)
     w           [B, T, H]      head weights
-    pages       the stored arrays of ONE field, ``cache["pages"][name]``: a dict with leading
+    pages       the stored arrays of ONE field, ``cache.pages[name]``: a dict with leading
                 dims [n_pages, page_size] (``formats.encode`` output)
     page_table  int32 [B, P]   page id per page slot, -1 = unassigned
     length      int32 [B]      entries stored per row
