@@ -43,7 +43,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"  # compute and parameter dtype
     init_std: float = 0.02
-    max_seq_len: int = 1024  # default cache length for generation
+    max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
 
 
 @dataclass(frozen=True)

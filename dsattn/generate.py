@@ -48,7 +48,7 @@ from flax import nnx
 from dsattn import plan
 from dsattn.cache import paged
 from dsattn.errors import CacheExhausted, InputError
-from dsattn.model import Transformer, check_tokens
+from dsattn.model import DecodeState, Transformer, check_tokens
 
 MIN_BUCKET = 16
 PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
@@ -137,8 +137,9 @@ class Engine:
         return self
 
     # -- caches ---------------------------------------------------------------------------
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty cache for `batch` rows of up to `max_len` tokens."""
+    def init_cache(self, batch: int, max_len: int | None = None) -> DecodeState:
+        """An empty cache for `batch` rows of up to `max_len` tokens (default: the model's
+        `model.max_seq_len`)."""
         if self._shapes is None:
             self._shapes = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0)))
         return self._shapes.init_cache(batch, max_len)
@@ -351,8 +352,9 @@ def engine(model: Transformer | Engine) -> Engine:
 bind = engine  # the old name
 
 
-def init_cache(cfg_or_model, batch: int, max_len: int) -> dict:
-    """An empty cache for `batch` rows of up to `max_len` tokens (shapes only from cfg)."""
+def init_cache(cfg_or_model, batch: int, max_len: int | None = None) -> DecodeState:
+    """An empty cache for `batch` rows of up to `max_len` tokens (default: the config's
+    `model.max_seq_len`); shapes only from the config."""
     if isinstance(cfg_or_model, Transformer):
         return cfg_or_model.init_cache(batch, max_len)
     if isinstance(cfg_or_model, Engine):

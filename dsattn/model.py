@@ -3,6 +3,7 @@ from the config. One set of weights runs three ways: `model(tokens)` (teacher-fo
 and `extend` over an explicit cache pytree (prefill and decode, driven by dsattn.generate).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,8 +103,10 @@ class Transformer(nnx.Module):
         return self.forward(tokens)[0]
 
     # -- cached execution ----------------------------------------------------------------
-    def init_cache(self, batch: int, max_len: int) -> "DecodeState":
-        """An empty decode state for `batch` rows of up to `max_len` positions."""
+    def init_cache(self, batch: int, max_len: int | None = None) -> "DecodeState":
+        """An empty decode state for `batch` rows of up to `max_len` positions (default:
+        `model.max_seq_len`)."""
+        max_len = self.cfg.model.max_seq_len if max_len is None else max_len
         return DecodeState(pos=jnp.zeros((batch,), jnp.int32),
                            overflow=jnp.zeros((batch,), jnp.bool_),
                            layers=tuple(b.attn.init_cache(batch, max_len) for b in self.blocks),
@@ -121,6 +124,9 @@ class Transformer(nnx.Module):
         state per row [B, D], the new caches, and the number of (position, layer)
         evaluations.
         """
+        chex.assert_rank(tokens, 2)
+        chex.assert_equal_shape([tokens, positions, valid])
+        chex.assert_equal(len(layer_caches), len(self.blocks))
         split = self.cfg.attention.ced_split
         x = self.embedding(tokens)
         ctx = CachedContext()

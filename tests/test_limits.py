@@ -5,6 +5,7 @@ gives every row its own random stream."""
 import glob
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def snapshot(cache):
 
 
 def assert_same(cache, snap):
-    jax.tree.map(np.testing.assert_array_equal, snapshot(cache), snap)
+    chex.assert_trees_all_equal(snapshot(cache), snap)
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -203,3 +204,8 @@ def test_a_rows_samples_depend_on_its_own_prompt_only():
     assert b[1] == a[1]
     assert b[2] != a[0]  # same prompt, another row: another stream
     assert len(alone) == 8 and len(set(alone)) > 1
+
+
+def test_cache_length_defaults_to_the_models_max_seq_len():
+    cfg = preset("v41", "model.max_seq_len=96")
+    assert generate.cache_capacity(jax.eval_shape(lambda: generate.init_cache(cfg, 2))) == 96

@@ -3,6 +3,7 @@ loss stops training with the step named and the last good checkpoint intact."""
 
 import json
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -38,8 +39,7 @@ def test_resume_equals_never_stopping(tmp_path):
     resumed = train.Trainer(cfg, tmp_path / "b", quiet=True)
     assert resumed.step == 2
     resumed.run(3)
-    for x, y in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(straight.params, resumed.params)
     last = lambda d: json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])
     assert last(tmp_path / "a")["loss"] == last(tmp_path / "b")["loss"]
 
@@ -56,8 +56,7 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(tmp_path):
     assert step == 2
     from flax import nnx
     restored = nnx.to_pure_dict(nnx.state(model))
-    for x, y in zip(jax.tree.leaves(good), jax.tree.leaves(restored)):
-        np.testing.assert_array_equal(x, np.asarray(y))
+    chex.assert_trees_all_equal(good, restored)
 
 
 def test_checkpoint_from_another_config_is_refused(tmp_path):

@@ -4,6 +4,7 @@ logit per head in the softmax denominator (zero value); inverse RoPE of the outp
 dims at the query position; grouped low-rank output projection (g groups -> r_o -> D).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,10 +21,14 @@ def attend(q, parts, sink):
     gathered per query, mask [B, T, S]. K = V = entry. Returns (out [B,T,H,c], probs per part
     [B,T,H,S] for the indexer's training target).
     """
+    chex.assert_rank(q, 4)
     sd = softmax_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5
     logits = []
     for entries, mask in parts:
+        chex.assert_rank(entries, {3, 4})
+        chex.assert_shape(mask, q.shape[:2] + entries.shape[-2:-1])
+        chex.assert_type(mask, bool)
         if entries.ndim == 3:
             s = shared_scores(q, entries, preferred_element_type=sd) * scale
         else:
