@@ -207,5 +207,5 @@ def test_a_rows_samples_depend_on_its_own_prompt_only():
 
 
 def test_cache_length_defaults_to_the_models_max_seq_len():
-    cfg = preset("v41", "model.max_seq_len=96")
+    cfg = preset("v41", "model.max_seq_len=96", "train.seq_len=64")
     assert generate.cache_capacity(jax.eval_shape(lambda: generate.init_cache(cfg, 2))) == 96
