@@ -113,10 +113,11 @@ class Engine:
         self._model = weakref.ref(model)
         self._raws: list = [leaf for _, leaf in keyed]
         self.state = jax.tree.unflatten(self._treedef, self._raws)
-        # replay (argument 4) is static; the cache (3) is donated.
+        # The compiled programs, public for lowering (dsattn.bench.lower); replay (argument 4)
+        # is static and the cache (3) donated. decode_fn(state, tokens [B], cache).
         self.prefill_fn = jax.jit(partial(_extend_impl, self.graphdef), static_argnums=4,
                                   donate_argnums=3)
-        self._decode_fn = jax.jit(partial(_decode_impl, self.graphdef), donate_argnums=2)
+        self.decode_fn = jax.jit(partial(_decode_impl, self.graphdef), donate_argnums=2)
         self.decode_compilations = 0  # decode programs this engine compiled
         self._seen: dict[int, _Seen] = {}
         self._shapes = None  # an abstract model for init_cache
@@ -263,7 +264,7 @@ class Engine:
         the returned cache (decode_step reads it once)."""
         _running.engine = self
         try:
-            return self._decode_fn(self.state, next_tokens, cache)
+            return self.decode_fn(self.state, next_tokens, cache)
         finally:
             _running.engine = None
 
