@@ -73,6 +73,27 @@ def test_grid_rows_and_full_size_overrides(tmp_path):
     assert full.attention.ratios[2:4] == (8, 16)  # V4-Flash: csa at m=8, hca at m'=16
 
 
+def test_per_layer_ratios_carry_to_full_size_by_role(tmp_path):
+    v41 = os.path.join(ROOT, "configs", "tiny", "v41.yaml")
+    flash = os.path.join(ROOT, "configs", "deepseek", "v4_1_flash.yaml")
+    path = _write(tmp_path, base=v41, full_size=flash, overrides=["train.steps=5"],
+                  rows=[{"name": "m", "overrides": ["attention.ratios=0*2, 4*3, 2*5"]}])
+    full, applied, skipped = ablate.full_size_config(*_sweep_and_row(path))
+    # tiny: encoder full/reuse at m=4, decoder at m=2; V4.1-Flash: 18 encoder, 20 decoder
+    assert full.attention.ratios == (0, 0) + (4,) * 18 + (2,) * 20 and not skipped
+    mixed = "attention.ratios=0*2, 4, 16, 8, 16"  # the two CSA layers differ: no one m
+    path = _write(tmp_path, base=V4, full_size=V4_FLASH, overrides=["train.steps=5"],
+                  rows=[{"name": "mixed", "overrides": [mixed]}])
+    full, applied, skipped = ablate.full_size_config(*_sweep_and_row(path))
+    assert skipped == [mixed] and full.attention.ratios == ablate.config_lib.load(
+        V4_FLASH).attention.ratios
+
+
+def _sweep_and_row(path):
+    sweep = ablate.load(path)
+    return sweep, sweep.rows[0]
+
+
 def test_pareto_front():
     pts = [(10, 3.0), (20, 2.0), (15, 3.5), (40, 1.0), (40, 1.5), (5, 4.0)]
     assert ablate.pareto(pts) == [5, 0, 1, 3]
