@@ -10,6 +10,7 @@ checkpoint is skipped, with a warning, for the newest one that loads.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -23,10 +24,14 @@ import orbax.checkpoint as ocp
 import yaml
 
 from dsattn import config as config_lib
+from dsattn import plan
 from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  # noqa: F401 (re-exported)
 
 # Sections that define the weights' shapes and meaning; `train`/`data` may change on resume.
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
+# Keys of those sections that change how weights are laid out, not what they compute: a run
+# restores across them (see `layouts`).
+LAYOUT_KEYS = {("model", "scan_layers")}
 
 # Parameters that moved when attention layers were composed from a source and a selector
 # (dsattn.plan): old name inside a block's `attn` -> new path. Checkpoints saved before
@@ -76,6 +81,66 @@ def _downgrade_attn(attn: dict) -> dict:
     for group in {path[0] for path in MOVED_IN_ATTN.values()}:
         out.pop(group, None)
     return out
+
+
+def _map_blocks(tree, fn):
+    """`tree` with fn applied to every dict holding a "blocks" entry (the params, and the
+    optimizer's moments shaped like them)."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("blocks"), dict):
+            return fn(tree)
+        return {k: _map_blocks(v, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_blocks(v, fn) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_blocks(v, fn) for v in tree)
+    return tree
+
+
+def relayout(tree, units_from, units_to):
+    """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
+    for `units_to`: scanned groups hold their copies stacked along a leading axis."""
+    def per_layer(blocks):
+        out = {}
+        for j, u in enumerate(units_from):
+            if not u.scanned:
+                out[u.start] = blocks[j]
+                continue
+            for q in range(u.period):
+                for c in range(u.copies):
+                    out[u.start + c * u.period + q] = jax.tree.map(
+                        lambda a, c=c: a[c], blocks[j]["layers"][q])
+        return out
+
+    def to_units(layers):
+        out = {}
+        for j, u in enumerate(units_to):
+            if not u.scanned:
+                out[j] = layers[u.start]
+                continue
+            out[j] = {"layers": {q: jax.tree.map(
+                lambda *a: np.stack([np.asarray(x) for x in a]),
+                *[layers[u.start + c * u.period + q] for c in range(u.copies)])
+                for q in range(u.period)}}
+        return out
+
+    if units_from == units_to:
+        return tree
+    return _map_blocks(tree, lambda t: {**t, "blocks": to_units(per_layer(t["blocks"]))})
+
+
+def layouts(cfg) -> list:
+    """(to_saved, to_current) tree maps for the layouts a run of `cfg`'s model may have
+    been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), and the
+    unrolled layout saved before the layer plan (`MOVED_IN_ATTN`)."""
+    def units(scan: bool):
+        return plan.units(dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
+
+    now, other, unrolled = plan.units(cfg), units(not cfg.model.scan_layers), units(False)
+    return [(lambda t: relayout(t, now, other), lambda t: relayout(t, other, now)),
+            (lambda t: legacy_layout(relayout(t, now, unrolled)),
+             lambda t: relayout(current_layout(t), unrolled, now))]
 
 
 def legacy_layout(tree):
@@ -162,7 +227,7 @@ def check_compatible(run_dir: Path, cfg) -> None:
     for sec in MODEL_SECTIONS:
         a, b = saved.get(sec, {}), now.get(sec, {})
         for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
+            if a.get(key) != b.get(key) and (sec, key) not in LAYOUT_KEYS:
                 raise CheckpointMismatch(
                     f"{run_dir}: checkpoint was trained with {sec}.{key}={a.get(key)!r}, "
                     f"this config has {sec}.{key}={b.get(key)!r}; use another run directory "
@@ -225,7 +290,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, **like) -> dict:
 
 
 def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool = False,
-                   **like) -> tuple[int | None, dict | None]:
+                   layouts=(), **like) -> tuple[int | None, dict | None]:
     """(step, items) of the newest checkpoint (among `steps`, default all) that loads, shaped
     like the given pytrees; (None, None) if there is no checkpoint.
 
@@ -234,18 +299,24 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
     `<step>.corrupt-<time>` once an older one loads, so the run saves those steps afresh and
     nothing is deleted. If none loads: CheckpointCorrupt, nothing renamed. A tree that differs
     from `like` is CheckpointMismatch, not damage: every step of a run has the same tree.
+    `layouts` ((to_saved, to_current) pairs, see `layouts`) are other layouts a step may
+    have been saved in: such a step is restored in its own layout and mapped to `like`'s.
     """
     skipped = []
-    legacy = {k: legacy_layout(v) for k, v in like.items()}
-    moved = jax.tree.structure(legacy) != jax.tree.structure(like)
+    alternatives = [(alt, back) for alt, back in (
+        ({k: to_saved(v) for k, v in like.items()}, to_current)
+        for to_saved, to_current in layouts) if jax.tree.structure(alt) != jax.tree.structure(like)]
     for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
         try:
             differences = _tree_differences(mngr, step, like)
-            if differences and moved and not _tree_differences(mngr, step, legacy):
-                differences = []  # saved before the layer plan: restore, then rename
-                items = {k: current_layout(v) for k, v in restore(mngr, step, **legacy).items()}
-            elif not differences:
-                items = restore(mngr, step, **like)
+            for alt, back in alternatives if differences else ():
+                if not _tree_differences(mngr, step, alt):  # saved in another layout
+                    differences = []
+                    items = {k: back(v) for k, v in restore(mngr, step, **alt).items()}
+                    break
+            else:
+                if not differences:
+                    items = restore(mngr, step, **like)
         except Exception as e:  # noqa: BLE001 (any failure to read is a damaged checkpoint)
             skipped.append((step, _reason(e)))
             warnings.warn(f"{mngr.directory}: skipping checkpoint step {step}: it does not load "
@@ -288,7 +359,8 @@ def load_params(run_dir, cfg=None, step: int | None = None):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    step, restored = restore_latest(mngr, steps=None if step is None else [step], params=params)
+    step, restored = restore_latest(mngr, steps=None if step is None else [step],
+                                    layouts=layouts(cfg), params=params)
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to load")
     nnx.replace_by_pure_dict(state, restored["params"])

@@ -44,6 +44,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute and parameter dtype
     init_std: float = 0.02
     max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
+    scan_layers: bool = True  # run each repeated group of layers as one scan (plan.units)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,9 @@ def upgrade_saved(raw: dict) -> dict:
     att = raw.get("attention")
     if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
         att["entry_dim"] = att["head_dim"]
+    model = raw.get("model")
+    if isinstance(model, dict) and "scan_layers" not in model:
+        model["scan_layers"] = False  # trained before scanning existed: its layout unrolled
     for (section, old), new in RENAMED.items():
         sec = raw.get(section)
         if isinstance(sec, dict) and old in sec:

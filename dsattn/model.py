@@ -72,6 +72,68 @@ class Block(nnx.Module):
         x = x + a
         return x + self.ffn(self.ffn_norm(x)), cache, ctx
 
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        return self.attn.init_cache(batch, max_len)
+
+
+class ScannedBlocks(nnx.Module):
+    """`copies` copies of a group of blocks (plan.Unit) with parameters stacked along a
+    leading axis, run as one `jax.lax.scan`: one group is traced and compiled, whatever the
+    depth. What flows between layers (x and the context) is the scan's carry; caches are
+    stacked like the parameters."""
+
+    def __init__(self, cfg: Config, specs, copies: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=copies)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return nnx.List([Block(cfg, spec, rngs) for spec in specs])
+
+        self.copies = copies
+        self.layers = create(rngs)
+
+    def _scan(self, step_fn, carry, xs):
+        """Scan `step_fn(blocks_of_one_copy, carry, x) -> (carry, y)` over the copies."""
+        graphdef, state = nnx.split(self.layers)
+
+        def body(c, stacked):
+            st, x = stacked
+            return step_fn(nnx.merge(graphdef, st), c, x)
+
+        return jax.lax.scan(body, carry, (state, xs))
+
+    def __call__(self, x, positions, step=None, ctx=StackContext()):
+        """(output, one aux dict per layer in stack order, next context)."""
+        def one_copy(blocks, carry, _):
+            x, ctx = carry
+            auxes = []
+            for block in blocks:
+                x, aux, ctx = block(x, positions, step, ctx)
+                auxes.append(aux)
+            return (x, ctx), auxes
+
+        (x, ctx), auxes = self._scan(one_copy, (x, ctx), None)
+        per_layer = [jax.tree.map(lambda v, c=c: v[c], aux)
+                     for c in range(self.copies) for aux in auxes]
+        return x, per_layer, ctx
+
+    def extend(self, x, positions, valid, caches, ctx=CachedContext()):
+        """(output, the group's new stacked caches, next context)."""
+        def one_copy(blocks, carry, copy_caches):
+            x, ctx = carry
+            new = []
+            for block, cache in zip(blocks, copy_caches):
+                x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
+                new.append(cache)
+            return (x, ctx), tuple(new)
+
+        (x, ctx), caches = self._scan(one_copy, (x, ctx), caches)
+        return x, caches, ctx
+
+    def init_cache(self, batch: int, max_len: int) -> tuple:
+        """One cache per block of the group, each stacked `copies` times."""
+        one = tuple(block.init_cache(batch, max_len) for block in self.layers)
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.copies,) + a.shape).copy(), one)
+
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
@@ -79,7 +141,12 @@ class Transformer(nnx.Module):
         m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
         self.embedding = Embedding(m.vocab_size, m.d_model, rngs, dt, m.tie_embeddings,
                                    m.init_std)
-        self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in plan.resolve(cfg)])
+        specs = plan.resolve(cfg)
+        self.units = plan.units(cfg)
+        # One entry per unit: a Block, or the stacked copies of a scanned group.
+        self.blocks = nnx.List([
+            ScannedBlocks(cfg, specs[u.start: u.start + u.period], u.copies, rngs)
+            if u.scanned else Block(cfg, specs[u.start], rngs) for u in self.units])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
     def forward(self, tokens, step=None):
@@ -92,11 +159,11 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embedding(tokens)
         auxes, ctx = [], StackContext()
-        for i, block in enumerate(self.blocks):
-            if i == self.cfg.attention.ced_split and i:  # decoder: global KV from the encoder
-                ctx = StackContext(encoder_out=x)
+        for unit, block in zip(self.units, self.blocks):
+            if unit.start == self.cfg.attention.ced_split and unit.start:
+                ctx = StackContext(encoder_out=x)  # decoder: global KV from the encoder
             x, aux, ctx = block(x, positions, step, ctx)
-            auxes.append(aux)
+            auxes.extend(aux if unit.scanned else [aux])
         return self.embedding.logits(self.norm(x)), auxes
 
     def __call__(self, tokens):
@@ -109,7 +176,7 @@ class Transformer(nnx.Module):
         max_len = self.cfg.model.max_seq_len if max_len is None else max_len
         return DecodeState(pos=jnp.zeros((batch,), jnp.int32),
                            overflow=jnp.zeros((batch,), jnp.bool_),
-                           layers=tuple(b.attn.init_cache(batch, max_len) for b in self.blocks),
+                           layers=tuple(b.init_cache(batch, max_len) for b in self.blocks),
                            max_len=max_len)
 
     def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None,
@@ -131,14 +198,14 @@ class Transformer(nnx.Module):
         x = self.embedding(tokens)
         ctx = CachedContext()
         new, evals = [], jnp.int32(0)
-        for i, (block, cache) in enumerate(zip(self.blocks, layer_caches)):
-            if split and i == split:
+        for unit, block, cache in zip(self.units, self.blocks, layer_caches):
+            if split and unit.start == split:
                 ctx = CachedContext(encoder_out=Stream(x, positions, valid))
                 if replay is not None:
                     x, positions, valid = _last_positions(x, positions, valid, replay,
-                                                                replay_from)
+                                                          replay_from)
             x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
-            evals = evals + jnp.sum(valid, dtype=jnp.int32)
+            evals = evals + len(unit.layers) * jnp.sum(valid, dtype=jnp.int32)
             new.append(cache)
         last = jnp.maximum(jnp.sum(valid, -1) - 1, 0)
         h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -146,6 +213,38 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         return self.embedding.logits(h)
+
+
+def layer_caches(cfg: Config, state: DecodeState) -> list:
+    """The decode state's caches, one per layer in stack order (scanned groups unstacked)."""
+    out = []
+    for unit, cache in zip(plan.units(cfg), state.layers):
+        if not unit.scanned:
+            out.append(cache)
+            continue
+        for c in range(unit.copies):
+            out.extend(jax.tree.map(lambda a, c=c: _copy(a, c), cache[q])
+                       for q in range(unit.period))
+    return out
+
+
+def _copy(a, c: int):
+    """Copy c of a stacked array (or of its abstract shape, for eval_shape'd states)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+    return a[c]
+
+
+def with_layer_caches(cfg: Config, state: DecodeState, caches: list) -> DecodeState:
+    """`state` holding `caches` (one per layer, as `layer_caches` gives them)."""
+    units = []
+    for unit in plan.units(cfg):
+        group = [caches[i] for i in unit.layers]
+        if unit.scanned:
+            group = tuple(jax.tree.map(lambda *a: jnp.stack(a), *group[q::unit.period])
+                          for q in range(unit.period))
+        units.append(group if unit.scanned else group[0])
+    return state.replace(layers=tuple(units))
 
 
 def _last_positions(x, positions, valid, r: int, keep_from=None):

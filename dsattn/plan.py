@@ -306,3 +306,64 @@ def role_shapes(cfg) -> dict[Role, list[tuple[int, int]]]:
             if v is not None and (v.width, v.rope) not in out[v.role]:
                 out[v.role].append((v.width, v.rope))
     return out
+
+
+# ------------------------------------------------------------------------------- units
+MIN_SCAN_COPIES = 3  # a group repeated fewer times runs unrolled: a scan would not pay
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A run of the stack executed as one piece: a single layer (`copies` 1), or `copies`
+    consecutive copies of a `period`-layer group scanned over parameters and caches
+    stacked along a leading axis."""
+
+    start: int
+    period: int = 1
+    copies: int = 1
+
+    @property
+    def scanned(self) -> bool:
+        return self.copies > 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.start + self.period * self.copies)
+
+
+def _behaviour(s: LayerSpec) -> tuple:
+    """What a layer does, whatever its index: copies with equal behaviours run as one scan
+    body (what they borrow is the latest source in the context, so sources need not match)."""
+    return (s.kind, s.ratio, s.decoder, s.from_encoder, s.builds_pool, s.local, s.entry,
+            s.key, s.fields)
+
+
+def units(cfg) -> tuple[Unit, ...]:
+    """The stack as units (`model.scan_layers`): greedily from the first layer, the repeated
+    group covering the most layers with at least MIN_SCAN_COPIES copies becomes a scanned
+    unit, after its first copy, which runs unrolled: that copy fills the context the scan
+    carries (a carry keeps one structure from copy to copy). No unit spans the CED split."""
+    specs = resolve(cfg)
+    n, split = len(specs), cfg.attention.ced_split
+    if not cfg.model.scan_layers:
+        return tuple(Unit(i) for i in range(n))
+    beh = [_behaviour(s) for s in specs]
+    out, i = [], 0
+    while i < n:
+        end = split if 0 < split and i < split else n  # stay on one side of the split
+        best = (0, 1, 1)  # (layers covered, period, copies)
+        for p in range(1, (end - i) // MIN_SCAN_COPIES + 1):
+            c = 1
+            while i + (c + 1) * p <= end and beh[i + c * p: i + (c + 1) * p] == beh[i: i + p]:
+                c += 1
+            if c >= MIN_SCAN_COPIES and c * p > best[0]:
+                best = (c * p, p, c)
+        _, p, c = best
+        if c == 1:
+            out.append(Unit(i))
+            i += 1
+            continue
+        out.extend(Unit(j) for j in range(i, i + p))  # the first copy, unrolled
+        out.append(Unit(i + p, p, c - 1))
+        i += c * p
+    return tuple(out)

@@ -118,7 +118,8 @@ class Trainer:
             self.step = 0
             self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints, writer=True)
             step, restored = checkpoint.restore_latest(
-                self.mngr, set_aside=True, params=self.params, opt_state=self.opt_state)
+                self.mngr, set_aside=True, layouts=checkpoint.layouts(cfg), params=self.params,
+                opt_state=self.opt_state)
             if step is not None:
                 self.params, self.opt_state = restored["params"], restored["opt_state"]
                 self.step = step

@@ -4,6 +4,11 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
     python scripts/bench.py [--presets mha,mla,dsa,v4,v41] [--depth 10]
         [--contexts 1024,4096,16384,32768,65536] [--batches 1,8] [--prefill 1024,4096,8192,16384]
         [--train-seq 1024] [--peer hf] [--out runs/bench]
+    python scripts/bench.py --depth-sweep [--out runs/bench]
+
+--depth-sweep instead times compilation against depth: the V4 pattern at 6/12/24/43 layers
+and the V4.1 pattern at 10/20/40, scanned and unrolled (first call and steady step of the
+forward, a prefill chunk and a decode step), into ``depth.json``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
 under ``--out``, and checks the issue's targets against the measured numbers. The measuring
@@ -12,6 +17,7 @@ and reporting are dsattn.bench (suite, measures, report, peer_hf).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -20,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dsattn import cli  # noqa: E402
-from dsattn.bench import report, suite  # noqa: E402
+from dsattn.bench import depth, report, suite  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "tiny"  # the presets, beside this script in the checkout
 
@@ -57,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--copy-mb", type=int, default=d.copy_mb)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--depth-sweep", action="store_true",
+                    help="time compilation against depth, scanned vs unrolled, and stop")
     return cli.parse(ap, argv)
 
 
@@ -77,6 +85,11 @@ def log(msg: str):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.depth_sweep:
+        rows = depth.run(args.configs, log=log)
+        (Path(args.out) / "depth.json").write_text(json.dumps(rows, indent=1))
+        print(depth.table(rows))
+        return {"depth": rows}
     result = suite.run(settings(args), args.configs, log=log)
     path = report.save_json(result, args.out)
     print(report.fmt_table(result))

@@ -11,6 +11,7 @@ import pytest
 
 from dsattn import config, generate, kvbytes
 from dsattn.cache import contiguous, paged, ring
+from dsattn.model import layer_caches
 from tests.helpers import ROOT
 
 FORMATTED = ["cache.local_format=fp8_ue8m0", "cache.main_format=fp4_e4m3",
@@ -30,7 +31,7 @@ def measured(cfg, max_len: int):
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 1, max_len))
     typed = (contiguous.Contiguous, paged.PagedCache, ring.Ring)
     per_layer, local = [], 0
-    for layer in cache.layers:
+    for layer in layer_caches(cfg, cache):
         stored = 0
         for part in jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, typed)):
             if isinstance(part, contiguous.Contiguous):  # MHA K/V, MLA latents: [1, max_len]

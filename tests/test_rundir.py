@@ -212,7 +212,8 @@ def test_run_saved_before_the_layer_plan_loads_and_resumes(tmp_path):
     # What a resuming Trainer restores: parameters and the optimizer's moments.
     params = nnx.to_pure_dict(nnx.state(model))
     like = {"params": params, "opt_state": train.make_optimizer(cfg).init(params)}
-    got_step, items = checkpoint.restore_latest(checkpoint.manager(run, keep=2), **like)
+    got_step, items = checkpoint.restore_latest(checkpoint.manager(run, keep=2),
+                                                layouts=checkpoint.layouts(cfg), **like)
     assert got_step == step == 2
     assert jax.tree.structure(items) == jax.tree.structure(like)
     adam = [s for s in jax.tree.leaves(items["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))

@@ -12,6 +12,7 @@ from dsattn import generate, train
 from dsattn.attention import indexer
 from dsattn.attention.context import StackContext
 from dsattn.cache import paged
+from dsattn.model import layer_caches
 from tests.helpers import check_decode_matches_forward, forward, preset, tiny_model
 
 # The preset itself is covered by tests/test_properties.py (with more lengths and steps).
@@ -77,7 +78,7 @@ def test_reuse_passes_the_selection_on_and_reindex_reselects():
 def test_only_full_layers_own_pages(overrides, owners):
     cfg = preset("v41", *overrides)
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 2, 64))
-    owning = [i for i, c in enumerate(cache.layers)  # layers holding pages
+    owning = [i for i, c in enumerate(layer_caches(cfg, cache))  # layers holding pages
               if any(isinstance(x, paged.PagedCache) for x in c.values())]
     assert owning == [i for i, k in enumerate(cfg.attention.layers) if k == "full"]
     assert len(owning) == owners

@@ -26,7 +26,7 @@ from dsattn import config as config_lib
 from dsattn import data, generate, kvbytes, plan
 from dsattn.attention.compressor import PoolState
 from dsattn.cache import contiguous, paged, ring
-from dsattn.model import Transformer
+from dsattn.model import Transformer, layer_caches, with_layer_caches
 
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
 
@@ -92,11 +92,10 @@ def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
         return part  # streaming compressor state: empty at a span boundary
 
     typed = (ring.Ring, paged.PagedCache, contiguous.Contiguous, PoolState)
-    layers = tuple(
-        jax.tree.map(lambda part, s=spec: filled(part, s.stride), lc,
-                     is_leaf=lambda x: isinstance(x, typed))
-        for spec, lc in zip(plan.resolve(model.cfg), cache.layers))
-    out = cache.replace(pos=jnp.full((b,), n, jnp.int32), layers=layers)
+    layers = [jax.tree.map(lambda part, s=spec: filled(part, s.stride), lc,
+                           is_leaf=lambda x: isinstance(x, typed))
+              for spec, lc in zip(plan.resolve(model.cfg), layer_caches(model.cfg, cache))]
+    out = with_layer_caches(model.cfg, cache.replace(pos=jnp.full((b,), n, jnp.int32)), layers)
     generate.check_cache(out)
     return out
 

@@ -1,0 +1,104 @@
+"""Compile cost against depth: the V4 and V4.1 layer patterns at several depths, with the
+repeated groups scanned (`model.scan_layers=true`) and unrolled, timing each program's first
+call (trace + compile + one run) and its steady step: the teacher-forced forward, a prefill
+chunk and a decode step. Tiny widths (the presets'), float32."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsattn import config as config_lib
+from dsattn import generate, plan
+from dsattn.bench.measures import time_decode
+from dsattn.model import Transformer
+
+V4_DEPTHS = (6, 12, 24, 43)
+V41_DEPTHS = (10, 20, 40)
+
+
+def v4_pattern(depth: int) -> list[str]:
+    """V4-Flash's pattern at `depth` layers: two SWA layers, then CSA/HCA alternating."""
+    pairs, odd = divmod(depth - 2, 2)
+    return [f"model.n_layers={depth}",
+            f"attention.layers=swa*2, (csa, hca)*{pairs}" + (", csa" if odd else "")]
+
+
+def v41_pattern(depth: int) -> list[str]:
+    """V4.1-Flash's pattern at `depth` layers (even): encoder = two SWA layers and
+    (full, reuse*2) groups at m=2, decoder = (full, reuse) and (reindex, reuse*2) groups at
+    m=1, split in the middle (CED); leftover layers are reuse layers."""
+    half = depth // 2
+    groups, rest = divmod(half - 2, 3)
+    enc = f"swa*2, (full, reuse*2)*{groups}" + (f", reuse*{rest}" if rest else "")
+    dec = f"full, reuse, (reindex, reuse*2)*{groups}" + (f", reuse*{rest}" if rest else "")
+    return [f"model.n_layers={2 * half}", f"attention.layers={enc}, {dec}",
+            f"attention.ratios=0*2, 2*{half - 2}, 1*{half}", f"attention.ced_split={half}"]
+
+
+PATTERNS = {"v4": (v4_pattern, V4_DEPTHS), "v41": (v41_pattern, V41_DEPTHS)}
+
+
+def _first_and_step(fn, *args) -> tuple[float, float]:
+    """(first call seconds, median of three later calls in seconds)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, float(np.median(times))
+
+
+def measure(cfg, prompt: int = 64, context: int = 64) -> dict:
+    """First-call and steady times of forward [1, prompt], prefill of `prompt` tokens and a
+    decode step with `context` tokens cached."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    tokens = np.zeros((1, prompt), np.int32)
+    fwd_first, fwd_step = _first_and_step(forward, state, tokens)
+    eng = generate.Engine(model)
+    t0 = time.perf_counter()
+    logits, _ = eng.prefill(tokens, [prompt], eng.init_cache(1, prompt + context + 16))
+    logits.block_until_ready()
+    prefill_first = time.perf_counter() - t0
+    dec = time_decode(model, context, batch=1, steps=10, warmup=2)
+    return {"forward_first_s": fwd_first, "forward_ms": fwd_step * 1e3,
+            "prefill_first_s": prefill_first, "decode_first_s": dec["first_call_s"],
+            "decode_ms": dec["step_ms"],
+            "scanned_units": sum(u.scanned for u in plan.units(cfg)),
+            "traced_layers": sum(u.period for u in plan.units(cfg))}
+
+
+def run(configs_dir, patterns=("v4", "v41"), log=print) -> list[dict]:
+    """One row per (pattern, depth, scanned or not)."""
+    rows = []
+    for name in patterns:
+        make, depths = PATTERNS[name]
+        for depth in depths:
+            for scan in (True, False):
+                cfg = config_lib.load(f"{configs_dir}/{name}.yaml", [
+                    *make(depth), "model.dtype=float32", f"model.scan_layers={str(scan).lower()}"])
+                row = {"pattern": name, "depth": depth, "scanned": scan, **measure(cfg)}
+                log(f"{name} depth {depth} {'scanned' if scan else 'unrolled'}: "
+                    f"decode first {row['decode_first_s']:.1f} s, step {row['decode_ms']:.2f} ms")
+                rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'pattern':<8}{'depth':>6}{'layout':>10}{'traced':>8}{'fwd 1st s':>11}"
+            f"{'prefill 1st s':>15}{'decode 1st s':>14}{'decode ms':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['pattern']:<8}{r['depth']:>6}{'scanned' if r['scanned'] else 'unrolled':>10}"
+                     f"{r['traced_layers']:>8}{r['forward_first_s']:>11.2f}"
+                     f"{r['prefill_first_s']:>15.2f}{r['decode_first_s']:>14.2f}"
+                     f"{r['decode_ms']:>11.2f}")
+    return "\n".join(lines)
