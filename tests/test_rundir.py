@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from dsattn import checkpoint, errors, train
+from dsattn.model import Transformer
 from tests.helpers import ROOT, forward, preset
 
 TINY = ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.batch_size=2",
@@ -220,3 +221,23 @@ def test_run_saved_before_the_layer_plan_loads_and_resumes(tmp_path):
             if hasattr(s, "mu")][0]
     moved = adam.mu["blocks"][4]["attn"]["source"]["compressor"]  # a full layer's compressor
     assert any(float(np.abs(x).max()) > 0 for x in jax.tree.leaves(moved))  # trained moments
+
+
+@pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])
+def test_runs_restore_across_scanned_and_unrolled_layouts(tmp_path, saved, loaded):
+    """model.scan_layers changes how weights are laid out (repeated layers stacked), not what
+    they compute: a run saved in one layout loads into the other."""
+    small = ["model.dtype=float64", "model.d_model=32", "model.ffn_hidden=64",
+             "attention.head_dim=8"]
+    cfg = preset("mha", *small, f"model.scan_layers={str(saved).lower()}")
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    checkpoint.save_config(tmp_path, cfg)
+    mngr = checkpoint.manager(tmp_path, keep=1, writer=True)
+    checkpoint.save(mngr, 1, params=nnx.to_pure_dict(nnx.state(model)))
+    mngr.wait_until_finished()
+    other = checkpoint.load_run_config(tmp_path, [f"model.scan_layers={str(loaded).lower()}"])
+    restored, _, step = checkpoint.load_params(tmp_path, other)
+    assert step == 1 and any(u.scanned for u in restored.units) == loaded
+    tokens = np.random.RandomState(0).randint(0, 256, (2, 9))
+    np.testing.assert_allclose(np.asarray(forward(restored, tokens)),
+                               np.asarray(forward(model, tokens)), rtol=0, atol=1e-12)
