@@ -44,7 +44,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute and parameter dtype
     init_std: float = 0.02
     max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
-    scan_layers: bool = True  # run each repeated group of layers as one scan (plan.units)
+    # Run each repeated group of layers as one scan (plan.units): compiles in constant time
+    # whatever the depth; off by default while a scanned decode step slices its caches
+    # (see docs/design.md, "Depth").
+    scan_layers: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Scanned layer groups (model.scan_layers, plan.units): a stack whose repeated groups run
 as one scan over stacked parameters computes what the unrolled stack computes with the same
-weights, and its cached prefill/decode reproduces its forward. The patterns repeat a V4
-(csa, hca) group and V4.1 (full, reuse) / (reindex, reuse) groups on both sides of a CED
-split, so the scan carries shared entries, selections and the candidate pool."""
+weights, and its cached prefill/decode reproduces its forward. The patterns repeat DSA
+layers (paged caches stacked), a V4 (csa, hca) group (compressor states stacked) and V4.1
+(full, reuse) / (reindex, reuse) groups on both sides of a CED split, so the scan carries
+shared entries, selections and the candidate pool."""
 
 import numpy as np
 import pytest
@@ -13,11 +14,12 @@ from dsattn.model import Transformer
 from tests.helpers import check_decode_matches_forward, forward, preset
 
 PATTERNS = {
-    "v4": ("v4", "model.n_layers=9", "attention.layers=swa*2, (csa, hca)*3, csa",
-           "attention.ratios=0*2, (4, 8)*3, 4"),
-    "v41": ("v41", "model.n_layers=14", "attention.ced_split=7",
-            "attention.layers=swa, (full, reuse)*3, full, (reindex, reuse)*3",
-            "attention.ratios=0, 2*6, 1*7"),
+    "dsa": ("dsa",),  # 4 layers: one, then a scan over 3 (stacked paged caches)
+    "v4": ("v4", "model.n_layers=6", "attention.layers=(csa, hca)*3",
+           "attention.ratios=(4, 8)*3"),
+    "v41": ("v41", "model.n_layers=13", "attention.ced_split=6",
+            "attention.layers=(full, reuse)*3, full, (reindex, reuse)*3",
+            "attention.ratios=2*6, 1*7"),
 }
 
 
@@ -25,7 +27,7 @@ def _models(name):
     """(unrolled model, scanned model with the unrolled one's weights)."""
     base, *overrides = PATTERNS[name]
     unrolled_cfg = preset(base, "model.dtype=float64", "model.scan_layers=false", *overrides)
-    scanned_cfg = preset(base, "model.dtype=float64", *overrides)
+    scanned_cfg = preset(base, "model.dtype=float64", "model.scan_layers=true", *overrides)
     assert any(u.scanned for u in plan.units(scanned_cfg))
     unrolled = Transformer(unrolled_cfg, rngs=nnx.Rngs(0))
     scanned = Transformer(scanned_cfg, rngs=nnx.Rngs(1))
@@ -43,4 +45,4 @@ def test_scanned_stack_equals_unrolled_and_decodes_its_forward(name):
     toks = np.random.RandomState(0).randint(0, 256, (2, 40))
     np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
                                np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
-    check_decode_matches_forward(scanned, lengths=[5, 27], n_decode=6, max_len=40)
+    check_decode_matches_forward(scanned, lengths=[5, 27], n_decode=4, max_len=40)
