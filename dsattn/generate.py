@@ -23,7 +23,6 @@ The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
 (a weak mapping, so it goes with the model), re-reading the model's weights on each call
 (an identity check of its weight arrays) so in-place updates (an optimizer step,
 ``nnx.update``, a checkpoint restore) are seen. They also accept an engine, used as it is.
-``bind`` and ``Bound`` are the old names of ``engine`` and ``Engine``.
 
 A cache holds ``max_len`` positions per row. prefill and decode_step refuse, with
 ``CacheExhausted`` and before anything runs, a call that would take a row past it, so the
@@ -331,8 +330,6 @@ class Engine:
         return outputs
 
 
-Bound = Engine  # the old name
-
 # One engine per live model for the module functions (weak: it goes with the model).
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -349,8 +346,6 @@ def engine(model: Transformer | Engine) -> Engine:
         return eng
     return eng.refresh()
 
-
-bind = engine  # the old name
 
 
 def init_cache(cfg_or_model, batch: int, max_len: int | None = None) -> DecodeState:

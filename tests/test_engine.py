@@ -26,7 +26,7 @@ def test_engine_decodes_like_the_module_functions_and_compiles_decode_once():
     toks = np.random.RandomState(0).randint(0, 256, (2, 16))
     lengths = np.array([5, 3])
     shared = generate.engine(model)
-    assert generate.bind(model) is shared and generate.engine(shared) is shared
+    assert generate.engine(model) is shared and generate.engine(shared) is shared
 
     def decode(step, steps=6):
         logits, cache = generate.prefill(model, toks[:, :5], lengths,

@@ -17,7 +17,7 @@ from tests.helpers import preset
 
 def decode_logits(cfg, toks, lengths, n_decode):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    bound = generate.bind(model)
+    bound = generate.engine(model)
     cache = generate.init_cache(cfg, len(lengths), 32)
     logits, cache = generate.prefill(bound, toks[:, : max(lengths)], lengths, cache)
     out = [np.asarray(logits)]

@@ -71,7 +71,7 @@ def built(name: str, overrides: tuple[str, ...]):
     """(model, its bound programs) per config, built once and shared by the examples."""
     cfg = preset(name, "model.dtype=float64", *overrides)
     model = Transformer(cfg, rngs=nnx.Rngs(7))
-    return model, generate.bind(model)
+    return model, generate.engine(model)
 
 
 def ablation(name: str, draw) -> tuple[str, ...]:
