@@ -38,12 +38,13 @@ TOL = 1e-9  # relative, float64 (logits are O(1), so also the absolute tolerance
 
 # Each preset's ablation knobs: override key -> values. The first value of each is the one the
 # quick search keeps unless its menu (QUICK) says otherwise.
+SCAN = {"model.scan_layers": [False, True]}  # 4-layer presets: one layer, then a scan over 3
 KNOBS = {
-    "mha": {},
+    "mha": {**SCAN},
     "gqa": {},
     "mqa": {},
-    "mla": {"cache.page_size": [16, 7]},
-    "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7]},
+    "mla": {"cache.page_size": [16, 7], **SCAN},
+    "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7], **SCAN},
     "v4": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
            "attention.csa_ratio": [4, 2, 3], "attention.hca_ratio": [16, 8, 5],
            "cache.page_size": [16, 7, 3]},
@@ -51,7 +52,8 @@ KNOBS = {
             "attention.pool_blocks": [3, 0, 1, 8], "attention.pool_block_size": [4, 2, 8],
             "attention.sharing": [True, False], "attention.ced_split": [5, 0],
             "attention.ratio": [0, 2, 3],  # 0: the preset's per-layer ratios (2 and 1)
-            "cache.page_size": [16, 7, 5]},
+            "cache.page_size": [16, 7, 5],
+            **SCAN},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
 }
 # The quick search's configs: a few ablations per preset, each compiled once and shared by
 # that preset's examples.
