@@ -46,16 +46,16 @@ MOVED_IN_ATTN = {
 }
 
 
-def _map_attn(tree, fn):
-    """`tree` with fn applied to every dict found under an "attn" key (any nesting of dicts,
-    lists and (named) tuples, as params and optax states are)."""
+def _rewrite(tree, key: str, fn):
+    """`tree` with every dict found under `key` replaced by fn(dict), at any nesting of
+    dicts, lists and (named) tuples, as params and optax states (their moments) are."""
     if isinstance(tree, dict):
-        return {k: fn(_map_attn(v, fn)) if k == "attn" and isinstance(v, dict)
-                else _map_attn(v, fn) for k, v in tree.items()}
+        return {k: fn(v) if k == key and isinstance(v, dict) else _rewrite(v, key, fn)
+                for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map_attn(v, fn) for v in tree))
+        return type(tree)(*(_rewrite(v, key, fn) for v in tree))
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_attn(v, fn) for v in tree)
+        return type(tree)(_rewrite(v, key, fn) for v in tree)
     return tree
 
 
@@ -83,50 +83,20 @@ def _downgrade_attn(attn: dict) -> dict:
     return out
 
 
-def _map_blocks(tree, fn):
-    """`tree` with fn applied to every dict holding a "blocks" entry (the params, and the
-    optimizer's moments shaped like them)."""
-    if isinstance(tree, dict):
-        if isinstance(tree.get("blocks"), dict):
-            return fn(tree)
-        return {k: _map_blocks(v, fn) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map_blocks(v, fn) for v in tree))
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_blocks(v, fn) for v in tree)
-    return tree
-
-
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
-    for `units_to`: scanned groups hold their copies stacked along a leading axis."""
-    def per_layer(blocks):
-        out = {}
-        for j, u in enumerate(units_from):
-            if not u.scanned:
-                out[u.start] = blocks[j]
-                continue
-            for q in range(u.period):
-                for c in range(u.copies):
-                    out[u.start + c * u.period + q] = jax.tree.map(
-                        lambda a, c=c: a[c], blocks[j]["layers"][q])
-        return out
+    for `units_to`: scanned groups hold their copies stacked along a leading axis, under
+    "layers" (model.ScannedBlocks)."""
+    from dsattn.model import per_layer, per_unit
 
-    def to_units(layers):
-        out = {}
-        for j, u in enumerate(units_to):
-            if not u.scanned:
-                out[j] = layers[u.start]
-                continue
-            out[j] = {"layers": {q: jax.tree.map(
-                lambda *a: np.stack([np.asarray(x) for x in a]),
-                *[layers[u.start + c * u.period + q] for c in range(u.copies)])
-                for q in range(u.period)}}
-        return out
+    def blocks(units_blocks: dict) -> dict:
+        items = [units_blocks[j]["layers"] if u.scanned else units_blocks[j]
+                 for j, u in enumerate(units_from)]
+        layers = per_layer(units_from, items)
+        return {j: {"layers": dict(enumerate(item))} if u.scanned else item
+                for j, (u, item) in enumerate(zip(units_to, per_unit(units_to, layers)))}
 
-    if units_from == units_to:
-        return tree
-    return _map_blocks(tree, lambda t: {**t, "blocks": to_units(per_layer(t["blocks"]))})
+    return tree if units_from == units_to else _rewrite(tree, "blocks", blocks)
 
 
 def layouts(cfg) -> list:
@@ -145,12 +115,12 @@ def layouts(cfg) -> list:
 
 def legacy_layout(tree):
     """A params or optimizer-state tree in the layout saved before the layer plan."""
-    return _map_attn(tree, _downgrade_attn)
+    return _rewrite(tree, "attn", _downgrade_attn)
 
 
 def current_layout(tree):
     """A tree saved before the layer plan, in today's layout (inverse of legacy_layout)."""
-    return _map_attn(tree, _upgrade_attn)
+    return _rewrite(tree, "attn", _upgrade_attn)
 
 
 class RunDirLock:

@@ -215,17 +215,40 @@ class Transformer(nnx.Module):
         return self.embedding.logits(h)
 
 
-def layer_caches(cfg: Config, state: DecodeState) -> list:
-    """The decode state's caches, one per layer in stack order (scanned groups unstacked)."""
+def per_layer(units, items) -> list:
+    """One item per layer, in stack order, from one per unit (plan.units): a scanned unit's
+    item is indexable by position in its group (0..period-1), each a tree stacked over the
+    copies."""
     out = []
-    for unit, cache in zip(plan.units(cfg), state.layers):
+    for unit, item in zip(units, items):
         if not unit.scanned:
-            out.append(cache)
+            out.append(item)
             continue
         for c in range(unit.copies):
-            out.extend(jax.tree.map(lambda a, c=c: _copy(a, c), cache[q])
+            out.extend(jax.tree.map(lambda a, c=c: _copy(a, c), item[q])
                        for q in range(unit.period))
     return out
+
+
+def per_unit(units, layers) -> list:
+    """The inverse of `per_layer`: a scanned unit's item is a tuple over its group's
+    positions of the copies' trees stacked."""
+    out = []
+    for unit in units:
+        group = [layers[i] for i in unit.layers]
+        out.append(tuple(jax.tree.map(lambda *a: jnp.stack(a), *group[q::unit.period])
+                         for q in range(unit.period)) if unit.scanned else group[0])
+    return out
+
+
+def layer_caches(cfg: Config, state: DecodeState) -> list:
+    """The decode state's caches, one per layer in stack order (scanned groups unstacked)."""
+    return per_layer(plan.units(cfg), state.layers)
+
+
+def with_layer_caches(cfg: Config, state: DecodeState, caches: list) -> DecodeState:
+    """`state` holding `caches` (one per layer, as `layer_caches` gives them)."""
+    return state.replace(layers=tuple(per_unit(plan.units(cfg), caches)))
 
 
 def _copy(a, c: int):
@@ -233,18 +256,6 @@ def _copy(a, c: int):
     if isinstance(a, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
     return a[c]
-
-
-def with_layer_caches(cfg: Config, state: DecodeState, caches: list) -> DecodeState:
-    """`state` holding `caches` (one per layer, as `layer_caches` gives them)."""
-    units = []
-    for unit in plan.units(cfg):
-        group = [caches[i] for i in unit.layers]
-        if unit.scanned:
-            group = tuple(jax.tree.map(lambda *a: jnp.stack(a), *group[q::unit.period])
-                          for q in range(unit.period))
-        units.append(group if unit.scanned else group[0])
-    return state.replace(layers=tuple(units))
 
 
 def _last_positions(x, positions, valid, r: int, keep_from=None):

@@ -30,7 +30,7 @@ def _visible(positions, stride: int, n: int):
 class AllEntries(nnx.Module):
     """HCA: every complete entry."""
 
-    def __init__(self, cfg, spec: LayerSpec):
+    def __init__(self, spec: LayerSpec):
         self.stride = spec.stride
 
     def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
@@ -44,9 +44,6 @@ class AllEntries(nnx.Module):
 
 class ReusedSelection(nnx.Module):
     """V4.1 reuse: the latest full or reindex layer's selection, read from the context."""
-
-    def __init__(self, cfg, spec: LayerSpec):
-        pass
 
     def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
         return ctx.selection, None, ctx
@@ -123,13 +120,14 @@ class IndexerSelector(nnx.Module):
         return entries, sel.ok & got, ctx
 
 
-SELECTORS = {Selector.ALL: AllEntries, Selector.REUSE: ReusedSelection}
+SELECTORS = {  # (cfg, spec, q_in, rngs) -> the selector, None: no global items
+    Selector.NONE: lambda cfg, spec, q_in, rngs: None,
+    Selector.ALL: lambda cfg, spec, q_in, rngs: AllEntries(spec),
+    Selector.INDEXER: IndexerSelector,
+    Selector.REUSE: lambda cfg, spec, q_in, rngs: ReusedSelection(),
+}
 
 
 def make(cfg, spec: LayerSpec, q_in: int, rngs: nnx.Rngs):
-    """The layer's selector by its kind (None: no global items)."""
-    if spec.kind.selector is Selector.INDEXER:
-        return IndexerSelector(cfg, spec, q_in, rngs)
-    if spec.kind.selector is Selector.NONE:
-        return None
-    return SELECTORS[spec.kind.selector](cfg, spec)
+    """The layer's selector by its kind."""
+    return SELECTORS[spec.kind.selector](cfg, spec, q_in, rngs)

@@ -156,10 +156,13 @@ class BorrowedEntries(nnx.Module):
         return ctx.global_cache, {}, ctx
 
 
+SOURCES = {  # (cfg, spec, theta, rngs) -> the source; None: window only (or not V4)
+    Source.COMPRESSOR: OwnEntries,
+    Source.BORROWED: lambda cfg, spec, theta, rngs: BorrowedEntries(),
+}
+
+
 def make(cfg, spec: LayerSpec, theta: float, rngs: nnx.Rngs):
-    """The layer's global source by its kind (None: window only)."""
-    if spec.kind.source is Source.COMPRESSOR:
-        return OwnEntries(cfg, spec, theta, rngs)
-    if spec.kind.source is Source.BORROWED:
-        return BorrowedEntries()
-    return None
+    """The layer's global source by its kind."""
+    factory = SOURCES.get(spec.kind.source)
+    return factory(cfg, spec, theta, rngs) if factory else None
