@@ -47,15 +47,20 @@ def test_borrowing_layers_own_only_what_they_compute():
 
 
 def _contexts(model, tokens):
-    """The context each block of the training forward returns."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x, ctx, out = model.embedding(tokens), StackContext(), []
-    for i, block in enumerate(model.blocks):
-        if i == model.cfg.attention.ced_split:
-            ctx = StackContext(encoder_out=x)
-        x, _, ctx = block(x, positions, None, ctx)
-        out.append(ctx)
-    return out
+    """The context each block of the training forward returns (jitted: eager dispatch of
+    the ten blocks costs several times their compile)."""
+    @nnx.jit
+    def run(model, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x, ctx, out = model.embedding(tokens), StackContext(), []
+        for i, block in enumerate(model.blocks):
+            if i == model.cfg.attention.ced_split:
+                ctx = StackContext(encoder_out=x)
+            x, _, ctx = block(x, positions, None, ctx)
+            out.append(ctx)
+        return out
+
+    return run(model, tokens)
 
 
 def test_reuse_passes_the_selection_on_and_reindex_reselects():
