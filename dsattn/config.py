@@ -1,8 +1,8 @@
 """Configs: YAML presets -> frozen, hashable dataclasses (static under jit).
 
-A config file has up to six sections (`model`, `attention`, `indexer`, `cache`, `train`,
-`data`) plus a `name`. Overrides are `section.key=value` strings whose value is parsed as
-YAML. Everything is validated at load time; errors name the offending key.
+A config file has up to seven sections (`model`, `attention`, `indexer`, `cache`, `train`,
+`data`, `mesh`) plus a `name`. Overrides are `section.key=value` strings whose value is
+parsed as YAML. Everything is validated at load time; errors name the offending key.
 
 Layer plans and per-layer lists accept a short form: ``"swa*2, (csa, hca)*20, csa"``.
 Ratios resolve in this order: explicit ``attention.ratios`` list, else the per-kind default
@@ -133,6 +133,15 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes (dsattn.sharding); -1: the devices the other axes leave. The default
+    is one device: nothing is sharded."""
+    data: int = 1  # batch rows
+    fsdp: int = 1  # batch rows, and parameters and optimizer state split
+    tensor: int = 1  # attention/indexer heads, FFN hidden, vocabulary split
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "unnamed"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -141,6 +150,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,6 +172,7 @@ _SECTION_CLASSES = {
     "cache": CacheConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "mesh": MeshConfig,
 }
 
 
@@ -481,6 +492,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.max_bytes < 0:
         raise ConfigError(f"data.max_bytes: must be >= 0, got {d.max_bytes}")
+    _validate_mesh(cfg.mesh)
+
+
+def _validate_mesh(mesh: MeshConfig) -> None:
+    """Sizes >= 1 or -1 (at most one); whether they fit the devices is checked when the mesh
+    is built (sharding.make_mesh), since a config may be loaded on another machine."""
+    sizes = dataclasses.asdict(mesh)
+    for key, value in sizes.items():
+        if value != -1 and value < 1:
+            raise ConfigError(f"mesh.{key}: must be >= 1 or -1 (the rest), got {value}")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("mesh: at most one size may be -1, got "
+                          + ", ".join(f"{k}={v}" for k, v in sizes.items()))
 
 
 def kernel_misfit(cfg: Config, impl: str) -> str | None:

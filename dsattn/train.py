@@ -6,10 +6,17 @@ command resumes from the latest checkpoint and continues exactly as if never sto
 directory survives SIGINT/SIGTERM (the step reached is saved), kill -9 (orbax commits a step by
 renaming its finished directory; metrics.jsonl is cut back to the restored step), a damaged
 latest checkpoint (the one before is used) and a second writer (refused by a lock).
+
+With a mesh of more than one device (config `mesh`, dsattn.sharding) the step is jitted with
+shardings: parameters and optimizer moments split by sharding.RULES, batch rows over data
+and fsdp; checkpoints are saved sharded and restore onto any mesh. On one device (the
+default) none of this runs. In a multi-process job only process 0 writes the run
+directory's files besides the checkpoints (lock, config.yaml, metrics.jsonl).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,7 +35,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from dsattn import checkpoint, data
+from dsattn import checkpoint, data, sharding
 from dsattn.config import Config
 from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -104,7 +111,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
-        self.lock = checkpoint.RunDirLock(self.run_dir)  # before anything is read or written
+        mesh = sharding.make_mesh(cfg)
+        self.mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
+        self.primary = jax.process_index() == 0  # the process that writes the run's files
+        # before anything is read or written
+        self.lock = checkpoint.RunDirLock(self.run_dir) if self.primary else _NoLock()
         try:
             checkpoint.check_compatible(self.run_dir, cfg)
             saved = checkpoint.saved_config(self.run_dir)
@@ -115,26 +126,63 @@ class Trainer:
             self.schedule = make_schedule(cfg)
             self.tx = make_optimizer(cfg)
             self.opt_state = self.tx.init(self.params)
+            self._shard_state()
             self.step = 0
-            self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints, writer=True)
+            self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints,
+                                           writer=self.primary)
             step, restored = checkpoint.restore_latest(
-                self.mngr, set_aside=True, layouts=checkpoint.layouts(cfg), params=self.params,
-                opt_state=self.opt_state)
+                self.mngr, set_aside=self.primary, layouts=checkpoint.layouts(cfg),
+                params=self.params, opt_state=self.opt_state)
             if step is not None:
                 self.params, self.opt_state = restored["params"], restored["opt_state"]
+                if self.mesh is not None:  # a relaid-out restore may come back in any layout
+                    self.params = jax.device_put(self.params, self.param_shardings)
+                    self.opt_state = jax.device_put(self.opt_state, self.opt_shardings)
                 self.step = step
                 self._warn_if_schedule_changed(saved)
             self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
-            self._cut_metrics()
-            checkpoint.save_config(self.run_dir, cfg)
+            if self.primary:
+                self._cut_metrics()
+                checkpoint.save_config(self.run_dir, cfg)
         finally:
             self.lock.release()  # until run(): an idle Trainer does not block the directory
-        self._train_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
-        self._compiled_step = None
-        self._eval_step = jax.jit(self._eval_impl)
         t = cfg.train
-        self.val_batches = data.eval_batches(self.corpus.val, t.eval_batches, t.batch_size,
-                                             t.seq_len, seed=t.seed)
+        if self.mesh is None:
+            self._train_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+            self._eval_step = jax.jit(self._eval_impl)
+        else:
+            rep = sharding.replicated(self.mesh)
+            self.batch_shardings = sharding.batch_sharding(self.mesh, (t.batch_size, t.seq_len))
+            self._train_step = jax.jit(
+                self._step_impl, donate_argnums=(0, 1),
+                in_shardings=(self.param_shardings, self.opt_shardings, self.batch_shardings,
+                              rep),
+                out_shardings=(self.param_shardings, self.opt_shardings, rep))
+            self._eval_step = jax.jit(self._eval_impl,
+                                      in_shardings=(self.param_shardings, self.batch_shardings),
+                                      out_shardings=rep)
+        self._compiled_step = None
+        self.val_batches = [self._batch(b) for b in data.eval_batches(
+            self.corpus.val, t.eval_batches, t.batch_size, t.seq_len, seed=t.seed)]
+
+    def _shard_state(self):
+        """Lay params and optimizer state out on the mesh (sharding.RULES); on one device
+        they stay where they are."""
+        if self.mesh is None:
+            return
+        self.param_shardings = sharding.tree_shardings(self.params, self.mesh)
+        self.opt_shardings = sharding.tree_shardings(self.opt_state, self.mesh)
+        self.params = sharding.put(self.params, self.param_shardings)
+        self.opt_state = sharding.put(self.opt_state, self.opt_shardings)
+
+    def _batch(self, batch: dict) -> dict:
+        """A host batch (the same on every process) as the step's input: split by rows over
+        the mesh, or left to jit on one device."""
+        return batch if self.mesh is None else sharding.put(batch, self.batch_shardings)
+
+    def _on_mesh(self):
+        """Trace under the mesh, so sharding.constrain in the model sees it."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _warn_if_schedule_changed(self, saved: dict | None):
         old = (saved or {}).get("train", {})
@@ -186,7 +234,8 @@ class Trainer:
         return self._model(self.params)
 
     def validation_loss(self) -> float:
-        losses = [float(self._eval_step(self.params, b)["ce"]) for b in self.val_batches]
+        with self._on_mesh():
+            losses = [float(self._eval_step(self.params, b)["ce"]) for b in self.val_batches]
         return float(np.mean(losses))
 
     def train_step(self, batch: dict, step: int) -> dict:
@@ -194,8 +243,9 @@ class Trainer:
         updates `params` and `opt_state` (the old arrays are donated) and returns the step's
         metrics, not waited on. No logging, checkpoint or `self.step` change: `run` is the
         training loop; this is for callers that time or drive single steps (dsattn.bench)."""
-        self.params, self.opt_state, metrics = self._train_step(
-            self.params, self.opt_state, batch, jnp.int32(step))
+        with self._on_mesh():
+            self.params, self.opt_state, metrics = self._train_step(
+                self.params, self.opt_state, self._batch(batch), jnp.int32(step))
         return metrics
 
     def save(self):
@@ -203,6 +253,8 @@ class Trainer:
         self._saved = self.step
 
     def _log(self, record: dict):
+        if not self.primary:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -252,15 +304,18 @@ class Trainer:
         val = None
         if self._compiled_step is None:  # compiled ahead, so compile time is not step time
             batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
-            self._compiled_step = self._train_step.lower(
-                self.params, self.opt_state, batch, jnp.int32(self.step)).compile()
+            with self._on_mesh():
+                self._compiled_step = self._train_step.lower(
+                    self.params, self.opt_state, self._batch(batch),
+                    jnp.int32(self.step)).compile()
         bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
                    dynamic_ncols=True)
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
             t0 = time.perf_counter()
-            batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
+            batch = self._batch(data.batch_at(self.corpus.train, self.step, t.batch_size,
+                                              t.seq_len, t.seed))
             self.params, self.opt_state, metrics = self._compiled_step(
                 self.params, self.opt_state, batch, jnp.int32(self.step))
             loss = float(metrics["loss"])  # waits for the step
@@ -301,6 +356,16 @@ class Trainer:
         self.mngr.wait_until_finished()
         return {"step": self.step, "val_loss": val if val is not None else
                 self.validation_loss(), "run_dir": str(self.run_dir)}
+
+
+class _NoLock:
+    """The run directory's lock on processes other than 0 (process 0 holds the real one)."""
+
+    def acquire(self):
+        pass
+
+    def release(self):
+        pass
 
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False) -> dict:

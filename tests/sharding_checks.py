@@ -1,0 +1,157 @@
+"""The multi-device checks of tests/test_sharding.py, run in their own process with 8 CPU
+host devices (the rest of the suite sees one): sharded forward and train step against one
+device, a checkpoint restored onto another mesh shape, and how parameters are split.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_ENABLE_X64=1 \\
+        python tests/sharding_checks.py RUN_DIR
+
+Prints one JSON object: {check name: value}; the pytest side asserts on them.
+"""
+
+import json
+import os
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dsattn import sharding  # noqa: E402
+from dsattn.model import Transformer  # noqa: E402
+from dsattn.train import Trainer  # noqa: E402
+from tests.helpers import preset  # noqa: E402
+
+T0 = time.perf_counter()
+MESHES = ((8, 1, 1), (2, 2, 2), (1, 1, 8))
+PRESETS = ("mla", "v4", "v41")
+TRAIN_PRESET = "mla"  # the train step and checkpoint checks (the fastest to compile)
+# Small enough to compile fast; 8 rows divide every mesh's data x fsdp.
+SMALL = ("model.dtype=float64", "train.batch_size=8", "train.seq_len=32", "train.eval_batches=1",
+         "train.warmup_steps=0", "data.max_bytes=200000")
+
+
+def mesh_args(shape) -> tuple:
+    return tuple(f"mesh.{a}={n}" for a, n in zip(sharding.MESH_AXES, shape))
+
+
+def host(tree):
+    """Every leaf as a numpy array (sharded arrays gathered)."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y), initial=0.0))
+               for x, y in zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b))))
+
+
+_forward = jax.jit(lambda graphdef, params, tokens: nnx.merge(
+    graphdef, nnx.State(params))(tokens), static_argnums=0)
+
+
+def forward(graphdef, params, tokens, mesh=None):
+    """Logits; with `mesh`, params and tokens laid out on it first (jit follows them)."""
+    if mesh is None:
+        return np.asarray(_forward(graphdef, params, tokens))
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, sharding.tree_shardings(params, mesh))
+        tokens = jax.device_put(tokens, sharding.batch_sharding(mesh, tokens.shape))
+        return np.asarray(_forward(graphdef, params, tokens))
+
+
+def forward_checks(out: dict, tokens, meshes: dict) -> dict:
+    """Sharded forward logits vs one device, for every preset and mesh. Returns each
+    preset's graphdef (the compiled forwards are cached under it)."""
+    graphdefs = {}
+    for name in PRESETS:
+        cfg = preset(name, *SMALL)
+        graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+        params = nnx.to_pure_dict(state)
+        want = forward(graphdef, params, tokens)
+        for shape, mesh in meshes.items():
+            out[f"forward/{name}/{shape}"] = max_diff(forward(graphdef, params, tokens, mesh),
+                                                      want)
+        graphdefs[name] = graphdef
+    return graphdefs
+
+
+def split_checks(out: dict, trainer: Trainer):
+    """Shard shapes of a few parameters and of their optimizer moments on (2, 2, 2)."""
+    named = {
+        "ffn.w_gate": ("blocks", 0, "ffn", "w_gate", "kernel"),  # [d_model, ffn] (fsdp, tensor)
+        "ffn.w_down": ("blocks", 0, "ffn", "w_down", "kernel"),  # [ffn, d_model] (tensor, fsdp)
+        "attn.wq_b": ("blocks", 0, "attn", "wq_b", "kernel"),  # MLA [q_lora, H*(dn+dr)]
+        "embedding": ("embedding", "embed", "embedding"),  # [vocab, d_model] (tensor, fsdp)
+        "norm": ("norm", "weight"),  # replicated
+    }
+    paths = {jax.tree_util.keystr(p, simple=True, separator="."): x
+             for p, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state)}
+    mu = {k.split(".mu.", 1)[1]: x for k, x in paths.items() if ".mu." in k}  # Adam's 1st moment
+    for label, keys in named.items():
+        x = trainer.params
+        for k in keys:
+            x = x[k]
+        m = mu[".".join(map(str, keys))]
+        out[f"split/{label}"] = {
+            "shape": list(x.shape), "spec": [list(s) if isinstance(s, tuple) else s
+                                             for s in x.sharding.spec],
+            "shards": sorted({tuple(s.data.shape) for s in x.addressable_shards}),
+            "mu_shards": sorted({tuple(s.data.shape) for s in m.addressable_shards}),
+            "n_shards": len(x.addressable_shards)}
+
+
+def train_checks(out: dict, run_root: str, tokens, graphdef):
+    """One sharded train step vs one single-device step; the split of params and moments;
+    a checkpoint saved on (4, 1, 2) restored on (1, 1, 8)."""
+    base = preset(TRAIN_PRESET, *SMALL)
+    single = Trainer(base, os.path.join(run_root, "single"), quiet=True)
+    batch = {k: np.asarray(v) for k, v in single.val_batches[0].items()}
+    single.train_step(batch, 0)
+    want = host(single.params)
+    out["time/train_single"] = time.perf_counter() - T0
+    for shape in MESHES:
+        cfg = preset(TRAIN_PRESET, *SMALL, *mesh_args(shape))
+        tr = Trainer(cfg, os.path.join(run_root, f"mesh{shape}"), quiet=True)
+        out[f"train/{shape}/sharded"] = tr.mesh is not None
+        tr.train_step(batch, 0)
+        out[f"train/{shape}"] = max_diff(tr.params, want)
+        if shape == (2, 2, 2):
+            split_checks(out, tr)
+        out[f"time/train{shape}"] = time.perf_counter() - T0
+
+    # Saved on (4, 1, 2) with the stepped parameters, restored on (1, 1, 8).
+    run_dir = os.path.join(run_root, "ckpt")
+    saver = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((4, 1, 2))), run_dir, quiet=True)
+    saver.params = jax.device_put(want, saver.param_shardings)
+    saver.step = 1
+    saver.save()
+    saver.mngr.wait_until_finished()
+    loader = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((1, 1, 8))), run_dir, quiet=True)
+    out["ckpt/step"] = loader.step
+    out["ckpt/params"] = max_diff(loader.params, want)
+    leaf = loader.params["blocks"][0]["ffn"]["w_gate"]["kernel"]
+    out["ckpt/w_gate_shards"] = sorted({tuple(s.data.shape) for s in leaf.addressable_shards})
+    # graphdef: the forward checks' own, so their compiled (1, 1, 8) forward is reused
+    out["ckpt/logits"] = max_diff(forward(graphdef, loader.params, tokens, loader.mesh),
+                                  forward(graphdef, want, tokens))
+
+
+def main(run_root: str):
+    t0 = T0
+    out = {"devices": jax.device_count(), "x64": bool(jax.config.jax_enable_x64)}
+    meshes = {shape: sharding.make_mesh(preset("mla", *mesh_args(shape)))
+              for shape in MESHES}
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 256, (8, 32)))
+    graphdefs = forward_checks(out, tokens, meshes)
+    out["time/forward"] = time.perf_counter() - t0
+    train_checks(out, run_root, tokens, graphdefs[TRAIN_PRESET])
+    out["time/total"] = time.perf_counter() - t0
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,151 @@
+"""Multi-device layout (dsattn.sharding): the rules and their fallbacks here, on the one
+device the suite sees; sharded programs in one subprocess with 8 CPU host devices
+(tests/sharding_checks.py), whose JSON report the tests below read.
+
+The subprocess compiles a forward for each preset and mesh and a train step for each mesh
+(about 40-60 s on 2 cores): it runs once per session, whichever tests ask for it.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dsattn import config, sharding
+from dsattn.model import Transformer
+from tests.helpers import ROOT, preset
+
+MESHES = ("(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_checks.py"),
+                          str(tmp_path_factory.mktemp("sharding"))],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 8 and out["x64"]
+    return out
+
+
+# -- 8 devices, in the subprocess --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mla", "v4", "v41"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_forward_matches_one_device(report, name, mesh):
+    assert report[f"forward/{name}/{mesh}"] <= 1e-12
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_train_step_matches_one_device(report, mesh):
+    assert report[f"train/{mesh}/sharded"]  # the Trainer built the sharded step
+    assert report[f"train/{mesh}"] <= 1e-11  # parameters after one AdamW step, float64
+
+
+def test_parameters_and_moments_are_split(report):
+    """On (data, fsdp, tensor) = (2, 2, 2): FFN and head weights over fsdp and tensor, the
+    embedding over vocab (tensor) and d_model (fsdp); Adam's moments split like their
+    parameters; norm scales replicated."""
+    split = {k.split("/", 1)[1]: v for k, v in report.items() if k.startswith("split/")}
+    assert split["ffn.w_gate"]["spec"] == ["fsdp", "tensor"]
+    assert split["ffn.w_gate"]["shards"] == [[64, 192]]  # [128, 384] / (2, 2)
+    assert split["ffn.w_down"]["shards"] == [[192, 64]]
+    assert split["attn.wq_b"]["shards"] == [[48, 96]]  # [q_lora 96, heads 4 x 48] / (2, 2)
+    assert split["embedding"]["shards"] == [[128, 64]]
+    assert split["norm"]["shards"] == [[128]]
+    for v in split.values():
+        assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
+
+
+def test_checkpoint_restores_onto_another_mesh(report):
+    """Saved on (4, 1, 2), restored on (1, 1, 8): the same parameters, laid out for the new
+    mesh, and the same logits."""
+    assert report["ckpt/step"] == 1
+    assert report["ckpt/params"] == 0.0
+    assert report["ckpt/w_gate_shards"] == [[128, 48]]  # ffn hidden 384 / tensor 8
+    assert report["ckpt/logits"] <= 1e-12
+
+
+# -- the rules, on one device ------------------------------------------------------------------
+def test_spec_falls_back_when_the_mesh_does_not_divide():
+    sizes = {"data": 2, "fsdp": 4, "tensor": 8}
+    assert sharding.spec(("embed", "ffn"), (128, 384), sizes) == P("fsdp", "tensor")
+    assert sharding.spec(("embed", "ffn"), (6, 12), sizes) == P()  # neither divides
+    assert sharding.spec(("batch", None), (8, 5), sizes) == P(("data", "fsdp"))
+    assert sharding.spec(("batch", None), (2, 5), sizes) == P("data")  # fsdp left out
+    assert sharding.spec(("batch", None), (4, 5), {"data": 3, "fsdp": 4}) == P("fsdp")
+    # one mesh axis per array: a later dimension with the same axis stays replicated
+    assert sharding.spec(("embed", "latent"), (128, 64), sizes) == P("fsdp")
+    assert sharding.spec(("embed", "ffn"), (128, 384), {"fsdp": 1, "tensor": 1}) == P()
+
+
+def test_rules_name_every_weight_matrix():
+    """Every parameter with two or more dimensions in the tiny presets gets a split
+    dimension by some rule (a new parameter needs a row in sharding.RULES); a scanned
+    group's stacked copies stay unsplit."""
+    for name in ("mha", "gqa", "mla", "dsa", "v4", "v41"):
+        cfg = preset(name)
+        params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
+            Transformer(cfg, rngs=nnx.Rngs(0)))))
+        for path, x in jax.tree_util.tree_leaves_with_path(params):
+            axes = sharding.param_axes(sharding._path(path), x.ndim)
+            if x.ndim >= 2:
+                assert any(a for a in axes), (name, sharding._path(path))
+    cfg = preset("mla", "model.scan_layers=true")
+    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
+        Transformer(cfg, rngs=nnx.Rngs(0)))))
+    stacked = params["blocks"][1]["layers"][0]["ffn"]["w_down"]["kernel"]
+    assert stacked.shape == (3, 384, 128)
+    path = "blocks.1.layers.0.ffn.w_down.kernel"
+    assert sharding.param_axes(path, 3) == (None, "ffn", "embed")
+    assert sharding.spec(sharding.param_axes(path, 3), stacked.shape,
+                         {"fsdp": 2, "tensor": 4}) == P(None, "tensor", "fsdp")
+    # an optimizer moment matches its parameter's rule
+    assert sharding.param_axes("1.0.mu.blocks.0.ffn.w_gate.kernel", 2) == ("embed", "ffn")
+
+
+def test_mesh_config():
+    cfg = preset("mla", "mesh.data=4", "mesh.tensor=2")
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (4, 1, 2)
+    assert sharding.mesh_shape(preset("mla", "mesh.data=-1", "mesh.tensor=2").mesh, 8) == \
+        (4, 1, 2)
+    assert sharding.mesh_shape(cfg.mesh, 16) == (4, 1, 2)  # the first 8 of 16 devices
+    with pytest.raises(config.ConfigError, match="needs at least 8 devices, jax sees 1"):
+        sharding.make_mesh(cfg)
+    with pytest.raises(config.ConfigError, match="multiple of 3"):
+        sharding.mesh_shape(preset("mla", "mesh.data=3", "mesh.fsdp=-1").mesh, 8)
+    with pytest.raises(config.ConfigError, match="mesh.tensor: must be >= 1 or -1"):
+        preset("mla", "mesh.tensor=0")
+    with pytest.raises(config.ConfigError, match="at most one size may be -1"):
+        preset("mla", "mesh.data=-1", "mesh.fsdp=-1")
+    assert sharding.make_mesh(preset("mla")).size == 1  # the default: one device
+
+
+def test_constrain_is_a_no_op_without_a_mesh():
+    x = jnp.ones((4, 8, 16))
+    assert sharding.constrain(x, ("batch", "seq", "embed")) is x
+    f = jax.jit(lambda x: sharding.constrain(x, ("batch", "seq", "embed")) * 2)
+    with jax.set_mesh(sharding.make_mesh(preset("mla"))):  # one device: nothing to split
+        np.testing.assert_array_equal(f(x), 2 * np.ones((4, 8, 16)))
+
+
+def test_no_distributed_init_without_a_cluster(monkeypatch):
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "SLURM_JOB_ID",
+                "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert sharding.initialize_distributed() is False
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task job is not multi-process
+    assert sharding.initialize_distributed() is False
