@@ -10,11 +10,13 @@ import numpy as np
 from flax import nnx, struct
 
 from dsattn import plan
+from dsattn.attention import sources
 from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
 from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
+from dsattn.cache import stacked
 from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
@@ -90,6 +92,9 @@ class ScannedBlocks(nnx.Module):
 
         self.copies = copies
         self.layers = create(rngs)
+        # The group's last layer that publishes its paged cache to later layers, if any.
+        self.publisher = next(((q, s) for q, s in reversed(list(enumerate(specs)))
+                               if s.kind.shares), None)
 
     def _scan(self, step_fn, carry, xs):
         """Scan `step_fn(blocks_of_one_copy, carry, x) -> (carry, y)` over the copies."""
@@ -117,16 +122,29 @@ class ScannedBlocks(nnx.Module):
         return x, per_layer, ctx
 
     def extend(self, x, positions, valid, caches, ctx=CachedContext()):
-        """(output, the group's new stacked caches, next context)."""
-        def one_copy(blocks, carry, copy_caches):
-            x, ctx = carry
+        """(output, the group's new stacked caches, next context). The caches are updated in
+        place (cache.stacked), so a decode step reads only what each layer selects."""
+        graphdef, params = nnx.split(self.layers)
+        if self.publisher is not None:  # each copy publishes before it borrows (plan.units)
+            ctx = ctx.replace(global_cache=None)
+
+        def one_copy(carry, xs):
+            x, ctx, caches = carry
+            p, i = xs
             new = []
-            for block, cache in zip(blocks, copy_caches):
+            for block, cache in zip(nnx.merge(graphdef, p), stacked.view(caches, i)):
                 x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
                 new.append(cache)
-            return (x, ctx), tuple(new)
+            if self.publisher is not None:  # a view into `caches`: not carried twice
+                ctx = ctx.replace(global_cache=None)
+            return (x, ctx, stacked.merge(caches, tuple(new), i)), None
 
-        (x, ctx), caches = self._scan(one_copy, (x, ctx), caches)
+        (x, ctx, caches), _ = jax.lax.scan(one_copy, (x, ctx, caches),
+                                           (params, jnp.arange(self.copies, dtype=jnp.int32)))
+        if self.publisher is not None:
+            q, spec = self.publisher
+            ctx = ctx.replace(global_cache=stacked.last_copy(sources.published(spec,
+                                                                               caches[q])))
         return x, caches, ctx
 
     def init_cache(self, batch: int, max_len: int) -> tuple:

@@ -338,6 +338,15 @@ def _behaviour(s: LayerSpec) -> tuple:
             s.key, s.fields)
 
 
+def _scannable(group) -> bool:
+    """A group whose copies publish entries must publish before it borrows: a copy's
+    published cache stays in the group's stacked caches and is not carried to the next
+    copy (model.ScannedBlocks)."""
+    shares = [q for q, s in enumerate(group) if s.kind.shares]
+    borrows = [q for q, s in enumerate(group) if s.kind.source is Source.BORROWED]
+    return not (shares and borrows) or shares[0] < borrows[0]
+
+
 def units(cfg) -> tuple[Unit, ...]:
     """The stack as units (`model.scan_layers`): greedily from the first layer, the repeated
     group covering the most layers with at least MIN_SCAN_COPIES copies becomes a scanned
@@ -356,7 +365,7 @@ def units(cfg) -> tuple[Unit, ...]:
             c = 1
             while i + (c + 1) * p <= end and beh[i + c * p: i + (c + 1) * p] == beh[i: i + p]:
                 c += 1
-            if c >= MIN_SCAN_COPIES and c * p > best[0]:
+            if c >= MIN_SCAN_COPIES and c * p > best[0] and _scannable(specs[i: i + p]):
                 best = (c * p, p, c)
         _, p, c = best
         if c == 1:

@@ -30,7 +30,9 @@ def decode_logits(cfg, toks, lengths, n_decode):
 
 CASES = {
     "dsa": ("attention.top_k=8", "model.n_layers=2"),
-    "v4": ("attention.layers=swa, csa, hca", "model.n_layers=3"),
+    # csa*3 scans its last two copies: the kernels read a copy's pages of the stacked pools
+    "v4": ("attention.layers=swa, csa*3", "model.n_layers=4", "model.scan_layers=true",
+           "attention.top_k=2"),
     # full (pool maxima from the kernel) -> reindex (scores the pool) -> reuse; FP4 keys
     "v41": ("cache.key_format=fp4_ue8m0", "model.n_layers=4", "attention.ced_split=0",
             "attention.layers=swa, full, reindex, reuse", "attention.ratios=0, 2, 2, 2"),

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from dsattn import checkpoint, plan
+from dsattn.bench import lower
 from dsattn.model import Transformer
 from tests.helpers import check_decode_matches_forward, forward, preset
 
@@ -46,3 +47,31 @@ def test_scanned_stack_equals_unrolled_and_decodes_its_forward(name):
     np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
                                np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
     check_decode_matches_forward(scanned, lengths=[5, 27], n_decode=4, max_len=40)
+
+
+IN_PLACE = {  # a scanned group of 4 copies; paged + ring + compressor state, and contiguous
+    "v4": ("v4", "model.n_layers=8", "attention.layers=(csa, hca)*4", "attention.ratios=(4, 8)*4"),
+    "mla": ("mla", "model.n_layers=4"),
+}
+
+
+def _decode_temp_bytes(cfg, max_len: int) -> tuple[int, float]:
+    """(the compiled decode step's temporary bytes, one layer's cache bytes)."""
+    low, cache = lower.lowered(cfg, 1, max_len)
+    return (low.compile().memory_analysis().temp_size_in_bytes,
+            lower.cache_value_bytes(cache) / cfg.model.n_layers)
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_scanned_decode_updates_the_stacked_caches_in_place(name):
+    """A scanned decode step must not copy each copy's cache out of the stacked arrays and
+    back, which holds every copy's cache whatever a layer selects (4-8 layers' worth here):
+    the compiled step's temporaries exceed the unrolled step's by less than one layer's
+    cache and a half (MLA reads its whole cache, and XLA:CPU slices it out first)."""
+    base, *overrides = IN_PLACE[name]
+    scanned, unrolled = (preset(base, f"model.scan_layers={s}", "model.dtype=float32",
+                                *overrides) for s in ("true", "false"))
+    assert any(u.scanned for u in plan.units(scanned))
+    temp, layer = _decode_temp_bytes(scanned, 65536)
+    base_temp, _ = _decode_temp_bytes(unrolled, 65536)
+    assert temp - base_temp < 1.5 * layer

@@ -160,7 +160,8 @@ def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool, dtype,
             from dsattn.kernels.indexer_score import paged_scores_tpu as kernel
         else:
             from dsattn.kernels.indexer_score_gpu import paged_scores_gpu as kernel
-        return kernel(q, w, cache.pages["key"], cache.page_table, cache.length, n_visible,
+        pages, table = paged.pool(cache, "key")
+        return kernel(q, w, pages, table, cache.length, n_visible,
                       cache.fields["key"].fmt, interpret=interpret,
                       max_entries=cache.max_entries, block_max=block_max)
     keys, stored = paged.read_all(cache, "key", dtype)

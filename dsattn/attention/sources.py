@@ -156,6 +156,11 @@ class BorrowedEntries(nnx.Module):
         return ctx.global_cache, {}, ctx
 
 
+def published(spec: LayerSpec, cache: dict):
+    """The paged cache a layer's cached run publishes to later layers, or None."""
+    return cache["global"] if spec.kind.shares else None
+
+
 SOURCES = {  # (cfg, spec, theta, rngs) -> the source; None: window only (or not V4)
     Source.COMPRESSOR: OwnEntries,
     Source.BORROWED: lambda cfg, spec, theta, rngs: BorrowedEntries(),

@@ -22,13 +22,22 @@ class Contiguous:
     ([B, G, L, ...] heads first), with the format and layout as static fields."""
 
     stored: dict
+    # A scanned layer's copy (cache.stacked): stored stays stacked, used at [copy].
+    copy: jax.Array | None = struct.field(default=None, kw_only=True)
     fmt: str = struct.field(pytree_node=False)
     rope: int = struct.field(pytree_node=False)
     heads_first: bool = struct.field(pytree_node=False)
 
+    storage = "stored"  # the stored vectors (cache.stacked)
+
+    @property
+    def at(self) -> tuple:
+        return () if self.copy is None else (self.copy,)
+
     @property
     def max_len(self) -> int:
-        return next(iter(self.stored.values())).shape[2 if self.heads_first else 1]
+        return next(iter(self.stored.values())).shape[len(self.at) + (2 if self.heads_first
+                                                                      else 1)]
 
 
 def empty(fmt: str, batch: int, max_len: int, inner: tuple, width: int, rope: int, dtype,
@@ -37,7 +46,8 @@ def empty(fmt: str, batch: int, max_len: int, inner: tuple, width: int, rope: in
     [batch, head, max_len] ones with `heads_first` (one inner dim)."""
     shape = ((batch,) + tuple(inner) + (max_len,) if heads_first
              else (batch, max_len) + tuple(inner))
-    return Contiguous(formats.empty(fmt, shape, width, rope, dtype), fmt, rope, heads_first)
+    return Contiguous(formats.empty(fmt, shape, width, rope, dtype), fmt=fmt, rope=rope,
+                      heads_first=heads_first)
 
 
 def write(c: Contiguous, values, positions, valid) -> Contiguous:
@@ -48,7 +58,7 @@ def write(c: Contiguous, values, positions, valid) -> Contiguous:
     enc = formats.encode(c.fmt, values, c.rope)
     if c.heads_first:  # [B, T, G, ...] values into [B, G, L, ...] storage
         heads = jnp.arange(values.shape[2])[None, :, None]
-        return c.replace(stored={k: stored[k].at[rows[:, None], heads, slots[:, None]].set(
+        return c.replace(stored={k: stored[k].at[c.at + (rows[:, None], heads, slots[:, None])].set(
             jnp.swapaxes(enc[k], 1, 2).astype(stored[k].dtype), mode="drop") for k in stored})
     if values.shape[0] * values.shape[1] == 1:
         # One update (batch-1 decode): XLA turns a one-update scatter into a dynamic-update-
@@ -56,10 +66,10 @@ def write(c: Contiguous, values, positions, valid) -> Contiguous:
         # second, dropped update (slot max_len) keeps it a scatter, updated in place.
         slots = jnp.concatenate([slots, jnp.full_like(slots, max_len)], 1)
         enc = {k: jnp.concatenate([v, v], 1) for k, v in enc.items()}
-    return c.replace(stored={k: stored[k].at[rows, slots].set(enc[k].astype(stored[k].dtype),
-                                                              mode="drop") for k in stored})
+    return c.replace(stored={k: stored[k].at[c.at + (rows, slots)].set(
+        enc[k].astype(stored[k].dtype), mode="drop") for k in stored})
 
 
 def read(c: Contiguous, dtype) -> jax.Array:
     """All slots decoded to the compute dtype: [B, L, *inner, w] ([B, G, L, w])."""
-    return formats.decode(c.fmt, c.stored, dtype)
+    return formats.decode(c.fmt, {k: a[c.at] for k, a in c.stored.items()}, dtype)

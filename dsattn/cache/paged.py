@@ -19,6 +19,9 @@ The cache is a `PagedCache` pytree (all functions pure, jit-compatible, static s
                                                exhausted) or would pass max_entries
     fields, page_size, max_entries             static (not pytree leaves): the stored fields'
                                                formats and widths, and the geometry
+    copy         int32 [] or None              a scanned layer's copy (cache.stacked): pages
+                                               keep a leading copies axis and are read and
+                                               written at [copy], in place
 
 Allocation happens lazily in ``append``: a row holds exactly ceil(length / page_size) pages,
 popped from the free stack in row order (a cumulative sum of the rows' needs; deterministic).
@@ -65,13 +68,21 @@ class PagedCache:
     free: jax.Array
     n_free: jax.Array
     overflow: jax.Array
+    copy: jax.Array | None = struct.field(default=None, kw_only=True)
     fields: FrozenDict = struct.field(pytree_node=False)  # name -> Field
     page_size: int = struct.field(pytree_node=False)
     max_entries: int = struct.field(pytree_node=False)
 
+    storage = "pages"  # the stored vectors (cache.stacked)
+
     @property
     def n_pages(self) -> int:
         return self.free.shape[-1]
+
+    @property
+    def at(self) -> tuple:
+        """The index prefix of this cache's pages in `pages` (its copy, if stacked)."""
+        return () if self.copy is None else (self.copy,)
 
 
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
@@ -163,9 +174,8 @@ def append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache
     for name, f in fields.items():
         enc = formats.encode(f.fmt, new[name], f.rope)
         stored = cache.pages[name]
-        pages[name] = {a: stored[a].at[page, slot].set(enc[a].astype(stored[a].dtype),
-                                                       mode="drop")
-                       for a in stored}
+        pages[name] = {a: stored[a].at[cache.at + (page, slot)].set(
+            enc[a].astype(stored[a].dtype), mode="drop") for a in stored}
 
     return cache.replace(pages=pages, page_table=table,
                          length=jnp.where(granted, new_len, length), free=free,
@@ -189,7 +199,7 @@ def gather(cache: PagedCache, name: str, idx, dtype=jnp.float32) -> tuple[jax.Ar
     page = jnp.take_along_axis(table, jnp.clip(safe // ps, 0, per_row - 1), axis=1)
     page = jnp.where(valid, jnp.maximum(page, 0), 0)
     slot = safe % ps
-    picked = {a: v[page, slot] for a, v in cache.pages[name].items()}  # [B, N, ...]
+    picked = {a: v[cache.at + (page, slot)] for a, v in cache.pages[name].items()}  # [B, N, ...]
     vals = formats.decode(cache.fields[name].fmt, picked, dtype)
     vals = jnp.where(valid[..., None], vals, jnp.zeros((), vals.dtype))
     return vals.reshape(idx.shape + (vals.shape[-1],)), valid.reshape(idx.shape)
@@ -204,12 +214,23 @@ def read_all(cache: PagedCache, name: str, dtype=jnp.float32) -> tuple[jax.Array
     table, length = cache.page_table, cache.length
     B, per_row = table.shape
     pages = jnp.maximum(table, 0)  # unassigned slots are masked below
-    rows = {a: v[pages].reshape((B, per_row * ps) + v.shape[2:])[:, :max_entries]
-            for a, v in cache.pages[name].items()}
+    picked = {a: v[cache.at + (pages,)] for a, v in cache.pages[name].items()}
+    rows = {a: v.reshape((B, per_row * ps) + v.shape[3:])[:, :max_entries]
+            for a, v in picked.items()}
     vals = formats.decode(cache.fields[name].fmt, rows, dtype)
     valid = jnp.arange(max_entries)[None, :] < length[:, None]
     vals = jnp.where(valid[..., None], vals, jnp.zeros((), vals.dtype))
     return vals, valid
+
+
+def pool(cache: PagedCache, name: str) -> tuple[dict, jax.Array]:
+    """One field's pages as a single pool [pages, page_size, ...] and the page table into it
+    (what the kernels read): a stacked copy's pages are its block of the copies' pools."""
+    arrays = cache.pages[name]
+    if cache.copy is None:
+        return arrays, cache.page_table
+    table = jnp.where(cache.page_table >= 0, cache.page_table + cache.copy * cache.n_pages, -1)
+    return {a: v.reshape((-1,) + v.shape[2:]) for a, v in arrays.items()}, table
 
 
 def release(cache: PagedCache, rows) -> PagedCache:

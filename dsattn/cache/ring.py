@@ -27,8 +27,16 @@ from dsattn.cache import formats
 class Ring:
     kv: dict  # the format's stored arrays [B, W, ...]
     pos: jax.Array  # int32 [B, W]: position held by each slot, -1 empty
+    # A scanned layer's copy (cache.stacked): kv stays stacked and is used at [copy].
+    copy: jax.Array | None = struct.field(default=None, kw_only=True)
     fmt: str = struct.field(pytree_node=False)
-    rope: int = struct.field(pytree_node=False)  # trailing rotary dims of each vector
+    rope: int = struct.field(pytree_node=False)  # trailing rotary dims
+
+    storage = "kv"  # the stored vectors (cache.stacked)
+
+    @property
+    def at(self) -> tuple:
+        return () if self.copy is None else (self.copy,)
 
 
 def _window(ring: Ring) -> int:
@@ -43,7 +51,7 @@ def empty(fmt: str, batch: int, window: int, width: int, rope: int, dtype) -> Ri
     if window < 1:
         raise ValueError(f"ring window must be >= 1, got {window}")
     return Ring(formats.empty(fmt, (batch, window), width, rope, dtype),
-                jnp.full((batch, window), -1, jnp.int32), fmt, rope)
+                jnp.full((batch, window), -1, jnp.int32), fmt=fmt, rope=rope)
 
 
 def write(ring: Ring, values, positions, valid) -> Ring:
@@ -67,7 +75,7 @@ def write(ring: Ring, values, positions, valid) -> Ring:
     rows = jnp.arange(positions.shape[0])[:, None]
 
     enc = formats.encode(ring.fmt, values, ring.rope)
-    kv = {k: a.at[rows, slots].set(enc[k].astype(a.dtype), mode="drop")
+    kv = {k: a.at[ring.at + (rows, slots)].set(enc[k].astype(a.dtype), mode="drop")
           for k, a in ring.kv.items()}
     pos = ring.pos.at[rows, slots].set(positions, mode="drop")
     stale = has[:, None] & (pos <= top[:, None] - w_slots)
@@ -76,7 +84,8 @@ def write(ring: Ring, values, positions, valid) -> Ring:
 
 def read(ring: Ring, dtype):
     """All slots decoded: (values [B, W, w] in ``dtype``, positions int32 [B, W], -1 empty)."""
-    return formats.decode(ring.fmt, ring.kv, dtype), ring.pos
+    kv = {k: a[ring.at] for k, a in ring.kv.items()}
+    return formats.decode(ring.fmt, kv, dtype), ring.pos
 
 
 def window_mask(slot_pos, q_pos, window: int):
