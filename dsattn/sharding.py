@@ -164,6 +164,8 @@ def put(tree, shardings):
     device_put; several: each process fills only the shards its devices hold."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):  # one for every leaf
+        shardings = jax.tree.map(lambda _: shardings, tree)
     return jax.tree.map(lambda x, s: jax.make_array_from_callback(
         np.shape(x), s, lambda idx, x=np.asarray(x): x[idx]), tree, shardings)
 

@@ -5,6 +5,10 @@
 
 Rerunning the same command resumes from the run directory's latest checkpoint. The run
 directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
+
+Several devices: mesh overrides, e.g. `mesh.data=4 mesh.tensor=2` (-1: the rest). Several
+hosts: run the same command on each; with JAX_COORDINATOR_ADDRESS (plus JAX_NUM_PROCESSES
+and JAX_PROCESS_ID) or under SLURM / Open MPI / Cloud TPU the processes join one job.
 """
 
 import sys
@@ -12,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli, config, train  # noqa: E402
+from dsattn import cli, config, sharding, train  # noqa: E402
 
 
 def main(argv=None):
@@ -21,6 +25,7 @@ def main(argv=None):
     ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = cli.parse(ap, argv)
+    sharding.initialize_distributed()  # before jax touches a device
     cfg = config.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
     out = train.train(cfg, run_dir, quiet=args.quiet)
