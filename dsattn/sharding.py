@@ -33,7 +33,10 @@ LOGICAL = {
     "batch": ("data", "fsdp"),
     "embed": ("fsdp",),  # d_model: the FSDP dimension of most weights
     "latent": ("fsdp",),  # low-rank bottlenecks (q/o LoRA ranks, MLA's kv latent): FSDP too
-    "vocab": ("tensor",),
+    # The vocabulary: rows of the embedding table over tensor and fsdp both, so a token's row
+    # is looked up whole (a table split along d_model too makes XLA's SPMD partitioner
+    # replicate the gather's output: "involuntary full rematerialization").
+    "vocab": ("tensor", "fsdp"),
     "heads": ("tensor",),  # query/output heads, fused with their head width (H * d)
     "kv_heads": ("tensor",),  # MHA/GQA key/value heads
     "index_heads": ("tensor",),  # the lightning indexer's heads

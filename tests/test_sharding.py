@@ -56,14 +56,15 @@ def test_sharded_train_step_matches_one_device(report, mesh):
 
 def test_parameters_and_moments_are_split(report):
     """On (data, fsdp, tensor) = (2, 2, 2): FFN and head weights over fsdp and tensor, the
-    embedding over vocab (tensor) and d_model (fsdp); Adam's moments split like their
+    embedding's vocabulary rows over both; Adam's moments split like their
     parameters; norm scales replicated."""
     split = {k.split("/", 1)[1]: v for k, v in report.items() if k.startswith("split/")}
     assert split["ffn.w_gate"]["spec"] == ["fsdp", "tensor"]
     assert split["ffn.w_gate"]["shards"] == [[64, 192]]  # [128, 384] / (2, 2)
     assert split["ffn.w_down"]["shards"] == [[192, 64]]
     assert split["attn.wq_b"]["shards"] == [[48, 96]]  # [q_lora 96, heads 4 x 48] / (2, 2)
-    assert split["embedding"]["shards"] == [[128, 64]]
+    assert split["embedding"]["spec"] == [["tensor", "fsdp"]]  # rows whole: a lookup reads one
+    assert split["embedding"]["shards"] == [[64, 128]]
     assert split["norm"]["shards"] == [[128]]
     for v in split.values():
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
