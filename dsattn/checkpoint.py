@@ -6,6 +6,10 @@ A run directory holds `config.yaml` (rewritten on resume; its model sections nev
 checkpoint is never loaded into a model of another shape: the error names the first differing
 key; the checkpoint's own tree is checked too (parameter path and both shapes). A damaged
 checkpoint is skipped, with a warning, for the newest one that loads.
+
+Sharded arrays (a Trainer on a mesh, dsattn.sharding) are saved as the shards each process's
+devices hold; `restore` reads into the shardings of the arrays it is given, so a checkpoint
+restores onto another mesh shape or onto one device.
 """
 
 from __future__ import annotations

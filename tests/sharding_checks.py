@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dsattn import sharding  # noqa: E402
+from dsattn import checkpoint, sharding  # noqa: E402
 from dsattn.model import Transformer  # noqa: E402
 from dsattn.train import Trainer  # noqa: E402
 from tests.helpers import preset  # noqa: E402
@@ -30,9 +31,11 @@ T0 = time.perf_counter()
 MESHES = ((8, 1, 1), (2, 2, 2), (1, 1, 8))
 PRESETS = ("mla", "v4", "v41")
 TRAIN_PRESET = "mla"  # the train step and checkpoint checks (the fastest to compile)
-# Small enough to compile fast; 8 rows divide every mesh's data x fsdp.
-SMALL = ("model.dtype=float64", "train.batch_size=8", "train.seq_len=32", "train.eval_batches=1",
-         "train.warmup_steps=0", "data.max_bytes=200000")
+# Small enough to compile fast; 8 rows divide every mesh's data x fsdp. Scanned layers: MLA's
+# last 3 layers hold their parameters stacked (a leading axis the rules leave unsplit).
+SMALL = ("model.dtype=float64", "model.scan_layers=true", "train.batch_size=8",
+         "train.seq_len=32", "train.eval_batches=1", "train.warmup_steps=0",
+         "data.max_bytes=200000")
 
 
 def mesh_args(shape) -> tuple:
@@ -87,6 +90,8 @@ def split_checks(out: dict, trainer: Trainer):
         "attn.wq_b": ("blocks", 0, "attn", "wq_b", "kernel"),  # MLA [q_lora, H*(dn+dr)]
         "embedding": ("embedding", "embed", "embedding"),  # [vocab, d_model] (tensor, fsdp)
         "norm": ("norm", "weight"),  # replicated
+        # a scanned group's stacked copies: [3, ffn, d_model] (-, tensor, fsdp)
+        "scanned.ffn.w_down": ("blocks", 1, "layers", 0, "ffn", "w_down", "kernel"),
     }
     paths = {jax.tree_util.keystr(p, simple=True, separator="."): x
              for p, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state)}
@@ -123,16 +128,25 @@ def train_checks(out: dict, run_root: str, tokens, graphdef):
             split_checks(out, tr)
         out[f"time/train{shape}"] = time.perf_counter() - T0
 
-    # Saved on (4, 1, 2) with the stepped parameters, restored on (1, 1, 8).
+    # Saved on (4, 1, 2) with the stepped parameters and moments (as Trainer.save does),
+    # restored on (1, 1, 8) by a Trainer.
     run_dir = os.path.join(run_root, "ckpt")
-    saver = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((4, 1, 2))), run_dir, quiet=True)
-    saver.params = jax.device_put(want, saver.param_shardings)
-    saver.step = 1
-    saver.save()
-    saver.mngr.wait_until_finished()
+    cfg = preset(TRAIN_PRESET, *SMALL, *mesh_args((4, 1, 2)))
+    mesh = sharding.make_mesh(cfg)
+    opt_state = host(single.opt_state)
+    checkpoint.save_config(Path(run_dir), cfg)
+    mngr = checkpoint.manager(Path(run_dir), 2, writer=True)
+    checkpoint.save(mngr, 1, params=jax.device_put(want, sharding.tree_shardings(want, mesh)),
+                    opt_state=jax.device_put(opt_state,
+                                             sharding.tree_shardings(opt_state, mesh)))
+    mngr.wait_until_finished()
+    out["ckpt/saved_shards"] = sorted({tuple(s.data.shape) for s in jax.device_put(
+        want, sharding.tree_shardings(want, mesh))["blocks"][0]["ffn"]["w_gate"]["kernel"]
+        .addressable_shards})
     loader = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((1, 1, 8))), run_dir, quiet=True)
     out["ckpt/step"] = loader.step
     out["ckpt/params"] = max_diff(loader.params, want)
+    out["ckpt/opt_state"] = max_diff(loader.opt_state, opt_state)
     leaf = loader.params["blocks"][0]["ffn"]["w_gate"]["kernel"]
     out["ckpt/w_gate_shards"] = sorted({tuple(s.data.shape) for s in leaf.addressable_shards})
     # graphdef: the forward checks' own, so their compiled (1, 1, 8) forward is reused

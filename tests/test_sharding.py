@@ -66,6 +66,8 @@ def test_parameters_and_moments_are_split(report):
     assert split["embedding"]["spec"] == [["tensor", "fsdp"]]  # rows whole: a lookup reads one
     assert split["embedding"]["shards"] == [[64, 128]]
     assert split["norm"]["shards"] == [[128]]
+    assert split["scanned.ffn.w_down"]["spec"] == [None, "tensor", "fsdp"]
+    assert split["scanned.ffn.w_down"]["shards"] == [[3, 192, 64]]
     for v in split.values():
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
 
@@ -74,7 +76,8 @@ def test_checkpoint_restores_onto_another_mesh(report):
     """Saved on (4, 1, 2), restored on (1, 1, 8): the same parameters, laid out for the new
     mesh, and the same logits."""
     assert report["ckpt/step"] == 1
-    assert report["ckpt/params"] == 0.0
+    assert report["ckpt/saved_shards"] == [[128, 192]]  # d_model whole, ffn 384 / tensor 2
+    assert report["ckpt/params"] == 0.0 and report["ckpt/opt_state"] == 0.0
     assert report["ckpt/w_gate_shards"] == [[128, 48]]  # ffn hidden 384 / tensor 8
     assert report["ckpt/logits"] <= 1e-12
 
@@ -97,7 +100,7 @@ def test_rules_name_every_weight_matrix():
     dimension by some rule (a new parameter needs a row in sharding.RULES); a scanned
     group's stacked copies stay unsplit."""
     for name in ("mha", "gqa", "mla", "dsa", "v4", "v41"):
-        cfg = preset(name)
+        cfg = preset(name, "model.scan_layers=false")  # unstacked: ndim is the rule's
         params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
             Transformer(cfg, rngs=nnx.Rngs(0)))))
         for path, x in jax.tree_util.tree_leaves_with_path(params):
