@@ -135,7 +135,8 @@ def param_axes(path: str, ndim: int) -> tuple:
     return (None,) * ndim
 
 
-def _path(keys) -> str:
+def path_name(keys) -> str:
+    """A tree path as the rules match it: "blocks.0.ffn.w_gate.kernel"."""
     return jax.tree_util.keystr(keys, simple=True, separator=".")
 
 
@@ -143,7 +144,7 @@ def tree_specs(tree, mesh: Mesh):
     """PartitionSpecs for a parameter tree or an optimizer state of one (same structure)."""
     sizes = dict(mesh.shape)
     return jax.tree_util.tree_map_with_path(
-        lambda k, x: spec(param_axes(_path(k), np.ndim(x)), np.shape(x), sizes), tree)
+        lambda k, x: spec(param_axes(path_name(k), np.ndim(x)), np.shape(x), sizes), tree)
 
 
 def tree_shardings(tree, mesh: Mesh):
@@ -190,7 +191,7 @@ def _cluster_env() -> bool:
     clusters jax.distributed detects (SLURM, Open MPI, multi-host Cloud TPU)."""
     env = os.environ
     return bool(env.get("JAX_COORDINATOR_ADDRESS")
-                or int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env
+                or ("SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
                 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
                 or "," in env.get("TPU_WORKER_HOSTNAMES", ""))
 

@@ -104,9 +104,9 @@ def test_rules_name_every_weight_matrix():
         params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
             Transformer(cfg, rngs=nnx.Rngs(0)))))
         for path, x in jax.tree_util.tree_leaves_with_path(params):
-            axes = sharding.param_axes(sharding._path(path), x.ndim)
+            axes = sharding.param_axes(sharding.path_name(path), x.ndim)
             if x.ndim >= 2:
-                assert any(a for a in axes), (name, sharding._path(path))
+                assert any(a for a in axes), (name, sharding.path_name(path))
     cfg = preset("mla", "model.scan_layers=true")
     params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
         Transformer(cfg, rngs=nnx.Rngs(0)))))
