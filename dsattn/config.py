@@ -45,9 +45,8 @@ class ModelConfig:
     init_std: float = 0.02
     max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
     # Run each repeated group of layers as one scan (plan.units): compiles in constant time
-    # whatever the depth; off by default while a scanned decode step slices its caches
-    # (see docs/design.md, "Depth").
-    scan_layers: bool = False
+    # whatever the depth (docs/design.md, "Depth"); a layout, not a model change.
+    scan_layers: bool = True
 
 
 @dataclass(frozen=True)
