@@ -319,3 +319,14 @@ def test_check_message_and_stacked_overflow():
     with pytest.raises(paged.CacheExhausted) as e:
         paged.check(stacked)
     assert "2 pages of 4 entries" in str(e.value) and "at most 8 entries per row" in str(e.value)
+
+
+def test_append_and_release_keep_every_leaf_dtype():
+    """A cache is a loop carry (decode programs, scanned layers): its leaves must keep their
+    dtypes through appends and releases, also with jax_enable_x64 (this suite's setting)."""
+    cache = paged.empty({"e": Field("native", 4)}, 2, 8, 2)
+    dtypes = [a.dtype for a in jax.tree.leaves(cache)]
+    cache = paged.append(cache, {"e": jnp.ones((2, 3, 4))}, jnp.array([3, 1]))
+    assert [a.dtype for a in jax.tree.leaves(cache)] == dtypes
+    cache = paged.release(cache, jnp.array([True, False]))
+    assert [a.dtype for a in jax.tree.leaves(cache)] == dtypes

@@ -150,7 +150,7 @@ def append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache
     # Rows needing pages are granted while the running total fits: granted rows with need > 0
     # form a prefix of the needing rows, so their `start` offsets are exact.
     granted = fits & ((need == 0) | (cum <= n_free))
-    taken = jnp.sum(jnp.where(granted, need, 0))
+    taken = jnp.sum(jnp.where(granted, need, 0), dtype=jnp.int32)
     overflow = cache.overflow | jnp.any((n > 0) & ~granted)
 
     # Page table: slot j of row b gets the (j - have[b])-th page popped for that row.
