@@ -103,7 +103,7 @@ def assert_matches(cache, ref, fields_items, rng, max_entries):
     # Allocation invariants: a row holds exactly ceil(length / page_size) distinct pages, no
     # page belongs to two rows or to a row and the free stack, and together they are the pool.
     table = np.asarray(cache.page_table)
-    n_free = int(cache.n_free)
+    n_free = int(cache.n_free.sum())
     ps = next(iter(cache.pages["entry"].values())).shape[1]
     owned = []
     for b in range(B):
@@ -135,7 +135,7 @@ def test_ragged_appends_match_reference(fields_items):
         if step % 2 or fields_items is NATIVE:
             assert_matches(cache, ref, fields_items, rng, max_entries)
     assert_matches(cache, ref, fields_items, rng, max_entries)
-    assert not bool(cache.overflow)
+    assert not bool(cache.overflow.any())
     paged.check(cache)
 
 
@@ -207,9 +207,9 @@ def test_pool_exhaustion_sets_overflow_and_keeps_data():
     # fits in its own page and still appends.
     cache, new = step(cache, [3, 1, 2])
     ref.append(new, [3, 0 + 1, 0])
-    assert bool(cache.overflow)
+    assert bool(cache.overflow.any())
     np.testing.assert_array_equal(np.asarray(cache.length), [9, 4, 0])
-    assert int(cache.n_free) == 0 and (np.asarray(cache.page_table[2]) == -1).all()
+    assert int(cache.n_free.sum()) == 0 and (np.asarray(cache.page_table[2]) == -1).all()
     assert_matches(cache, ref, fields_items, rng, max_entries)
     with pytest.raises(paged.CacheExhausted, match="global cache pool exhausted: 4 pages of 4"):
         paged.check(cache)
@@ -219,7 +219,7 @@ def test_pool_exhaustion_sets_overflow_and_keeps_data():
     ref.append(new, [3, 0, 0])
     np.testing.assert_array_equal(np.asarray(cache.length), [12, 4, 0])
     assert_matches(cache, ref, fields_items, rng, max_entries)
-    assert bool(cache.overflow)
+    assert bool(cache.overflow.any())
     assert issubclass(paged.CacheExhausted, RuntimeError)
 
 
@@ -237,7 +237,7 @@ def test_page_table_limit_is_overflow():
     new = random_new(rng, fields_items, B, E)
     cache = op["append"](cache, new, jnp.asarray([2, 1, 0], jnp.int32))  # row 0 would reach 22
     ref.append(new, [0, 1, 0])  # row 1 reaches exactly 21
-    assert bool(cache.overflow)
+    assert bool(cache.overflow.any())
     assert_matches(cache, ref, fields_items, rng, max_entries)
     with pytest.raises(paged.CacheExhausted, match=r"init_cache\(\.\.\., max_len=\.\.\.\)"):
         paged.check(cache)
@@ -278,7 +278,7 @@ def test_release_and_reuse_never_exposes_old_data():
     expect[1, :6] = -1.0
     expect[0, 0] = 2.0
     np.testing.assert_array_equal(np.asarray(vals), expect)
-    assert not bool(cache.overflow)
+    assert not bool(cache.overflow.any())
 
 
 def test_scrambled_pages_random_appends_and_releases():
@@ -307,7 +307,7 @@ def test_scrambled_pages_random_appends_and_releases():
         # Allocation order no longer follows row order: some row's pages are not increasing.
         scrambled |= any((np.diff(r[r >= 0]) < 0).any() for r in table)
     assert scrambled
-    assert not bool(cache.overflow)
+    assert not bool(cache.overflow.any())
 
 
 def test_check_message_and_stacked_overflow():
@@ -330,3 +330,50 @@ def test_append_and_release_keep_every_leaf_dtype():
     assert [a.dtype for a in jax.tree.leaves(cache)] == dtypes
     cache = paged.release(cache, jnp.array([True, False]))
     assert [a.dtype for a in jax.tree.leaves(cache)] == dtypes
+
+
+def test_pool_groups_behave_as_separate_caches():
+    """A cache of G pool groups (one per row shard of a mesh) is G independent caches side
+    by side: block g of rows takes pages only from range g of the pool, with group-local
+    page ids, whatever the other blocks append or release. `pool` (what the kernels read)
+    maps every row's table into the whole pool."""
+    rng = np.random.default_rng(7)
+    fields = {"entry": Field("native", 4)}
+    B, G, max_entries, ps, E = 4, 2, 9, 2, 3
+    grouped = paged.empty(fields, B, max_entries, ps, jnp.float64, groups=G)
+    parts = [paged.empty(fields, B // G, max_entries, ps, jnp.float64,
+                         n_pages=grouped.n_pages // G) for _ in range(G)]
+    rows = lambda x, g: x[g * (B // G):(g + 1) * (B // G)]
+    for step in range(8):
+        if step % 3 == 2:
+            mask = rng.random(B) < 0.5
+            grouped = paged.release(grouped, jnp.asarray(mask))
+            parts = [paged.release(p, jnp.asarray(rows(mask, g))) for g, p in enumerate(parts)]
+        else:
+            n_new = rng.integers(0, E + 1, size=B)
+            new = rng.normal(size=(B, E, 4))
+            grouped = paged.append(grouped, {"entry": jnp.asarray(new)}, jnp.asarray(n_new))
+            parts = [paged.append(p, {"entry": jnp.asarray(rows(new, g))},
+                                  jnp.asarray(rows(n_new, g))) for g, p in enumerate(parts)]
+        idx = jnp.asarray(rng.integers(-1, max_entries + 1, size=(B, 5)), jnp.int32)
+        got, ok = paged.gather(grouped, "entry", idx)
+        everything, _ = paged.read_all(grouped, "entry", jnp.float64)
+        for g, p in enumerate(parts):
+            np.testing.assert_array_equal(rows(np.asarray(grouped.page_table), g),
+                                          np.asarray(p.page_table))
+            assert int(grouped.n_free[g]) == int(p.n_free.sum())
+            want, want_ok = paged.gather(p, "entry", rows(idx, g))
+            np.testing.assert_array_equal(rows(np.asarray(got), g), np.asarray(want))
+            np.testing.assert_array_equal(rows(np.asarray(ok), g), np.asarray(want_ok))
+            np.testing.assert_array_equal(rows(np.asarray(everything), g),
+                                          np.asarray(paged.read_all(p, "entry", jnp.float64)[0]))
+    assert int(grouped.length.sum()) > 0
+    pages, table = paged.pool(grouped, "entry")
+    table, length = np.asarray(table), np.asarray(grouped.length)
+    for b in range(B):
+        per = grouped.n_pages // G
+        held = table[b][table[b] >= 0]
+        assert ((held // per) == b // (B // G)).all()  # inside its group's range
+        entries = [np.asarray(pages["v"])[table[b, i // ps], i % ps] for i in range(length[b])]
+        np.testing.assert_array_equal(np.asarray(everything)[b, :length[b]],
+                                      np.reshape(entries, (length[b], 4)))

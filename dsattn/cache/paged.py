@@ -14,14 +14,21 @@ The cache is a `PagedCache` pytree (all functions pure, jit-compatible, static s
     free         int32 [n_pages]               stack of free page ids: free[:n_free] are free,
                                                the top (next popped) is free[n_free-1]; slots
                                                >= n_free hold -1
-    n_free       int32 []
-    overflow     bool []                       sticky: an append could not get a page (pool
+    n_free       int32 [G]                     free pages per pool group (below)
+    overflow     bool [G]                      sticky: an append could not get a page (pool
                                                exhausted) or would pass max_entries
     fields, page_size, max_entries             static (not pytree leaves): the stored fields'
                                                formats and widths, and the geometry
     copy         int32 [] or None              a scanned layer's copy (cache.stacked): pages
                                                keep a leading copies axis and are read and
                                                written at [copy], in place
+
+Pool groups (``groups`` G, default 1): the rows are split into G equal consecutive blocks
+and the pool into G equal page ranges; block g's rows take pages only from range g, and its
+page table holds ids local to the range (the free stack likewise: ``free`` is G stacks of
+n_pages / G local ids). So no row ever points into another block's pages: with the rows and
+the pages split the same way across devices (dsattn.sharding), every read and write stays
+on its device. Every function runs per group (``jax.vmap``) on one group's pool.
 
 Allocation happens lazily in ``append``: a row holds exactly ceil(length / page_size) pages,
 popped from the free stack in row order (a cumulative sum of the rows' needs; deterministic).
@@ -80,18 +87,22 @@ class PagedCache:
         return self.free.shape[-1]
 
     @property
+    def groups(self) -> int:
+        return self.n_free.shape[-1] if self.n_free.ndim else 1
+
+    @property
     def at(self) -> tuple:
         """The index prefix of this cache's pages in `pages` (its copy, if stacked)."""
         return () if self.copy is None else (self.copy,)
 
 
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
-          dtype=jnp.float32, n_pages: int | None = None) -> PagedCache:
+          dtype=jnp.float32, n_pages: int | None = None, groups: int = 1) -> PagedCache:
     """An empty paged cache for ``batch`` rows of up to ``max_entries`` entries each.
 
     ``n_pages`` defaults to batch * ceil(max_entries / page_size), which never runs out;
     a smaller pool is allowed (appends then may overflow, see ``check``). ``dtype`` is the
-    storage dtype of "native" fields.
+    storage dtype of "native" fields. ``groups`` splits rows and pool (module docstring).
     """
     if page_size <= 0 or max_entries <= 0 or batch <= 0:
         raise ValueError(f"paged.empty: batch ({batch}), max_entries ({max_entries}) and "
@@ -103,16 +114,57 @@ def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: 
         raise ValueError(f"paged.empty: n_pages must be positive, got {n_pages}")
     for name, f in fields.items():
         formats.check_width(f.fmt, f.width, f.rope, f"paged field {name!r}")
-    return PagedCache(
+    cache = PagedCache(
         pages={name: formats.empty(f.fmt, (n_pages, page_size), f.width, f.rope, dtype)
                for name, f in fields.items()},
         page_table=jnp.full((batch, per_row), -1, jnp.int32),
-        length=jnp.zeros((batch,), jnp.int32),
-        # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
-        free=jnp.arange(n_pages - 1, -1, -1, dtype=jnp.int32),
-        n_free=jnp.asarray(n_pages, jnp.int32),
-        overflow=jnp.asarray(False),
+        length=jnp.zeros((batch,), jnp.int32), free=jnp.zeros((n_pages,), jnp.int32),
+        n_free=jnp.zeros((1,), jnp.int32), overflow=jnp.zeros((1,), bool),
         fields=FrozenDict(fields), page_size=page_size, max_entries=max_entries)
+    return regroup(cache, groups)
+
+
+def regroup(cache: PagedCache, groups: int) -> PagedCache:
+    """An EMPTY cache (as `empty` or a model's init_cache makes it; stacked copies too) with
+    its rows and pool split into `groups` (for a mesh: one group per row shard)."""
+    batch, n_pages = cache.length.shape[-1], cache.n_pages
+    if groups <= 0 or batch % groups or n_pages % groups:
+        raise ValueError(f"paged: {groups} pool groups must divide the batch ({batch}) and "
+                         f"the pool ({n_pages} pages)")
+    lead, per = cache.free.shape[:-1], n_pages // groups
+    # Each group's stack reversed, so that a fresh pool hands out pages 0, 1, 2, ... in order.
+    free = jnp.tile(jnp.arange(per - 1, -1, -1, dtype=jnp.int32), groups)
+    return cache.replace(free=jnp.broadcast_to(free, lead + (n_pages,)),
+                         n_free=jnp.full(lead + (groups,), per, jnp.int32),
+                         overflow=jnp.zeros(lead + (groups,), bool))
+
+
+def _split_rows(x, g: int, axis: int = 0):
+    return x.reshape(x.shape[:axis] + (g, x.shape[axis] // g) + x.shape[axis + 1:])
+
+
+def _join_rows(x, axis: int = 0):
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _by_group(fn, cache: PagedCache, *rows, returns_cache: bool = True):
+    """`fn(one group's cache, *its rows)` for every pool group (vmapped), joined back. A
+    group's cache has one pool of n_pages / G pages, with scalar n_free and overflow."""
+    g, a = cache.groups, len(cache.at)
+    grouped = cache.replace(pages=jax.tree.map(lambda x: _split_rows(x, g, a), cache.pages),
+                            page_table=_split_rows(cache.page_table, g),
+                            length=_split_rows(cache.length, g),
+                            free=_split_rows(cache.free, g))
+    axes = cache.replace(pages=jax.tree.map(lambda _: a, cache.pages), page_table=0,
+                         length=0, free=0, n_free=0, overflow=0, copy=None)
+    rows = [jax.tree.map(lambda x: _split_rows(x, g), r) for r in rows]
+    out = jax.vmap(fn, in_axes=(axes,) + (0,) * len(rows),
+                   out_axes=axes if returns_cache else 0)(grouped, *rows)
+    if not returns_cache:
+        return jax.tree.map(_join_rows, out)
+    return out.replace(pages=jax.tree.map(lambda x: _join_rows(x, a), out.pages),
+                       page_table=_join_rows(out.page_table), length=_join_rows(out.length),
+                       free=_join_rows(out.free))
 
 
 def _ceil_div(a, b: int):
@@ -123,21 +175,29 @@ def append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache
     """Append each row's first ``n_new[b]`` entries of ``new[name]`` [B, E, width].
 
     Every field of the cache must be given (they share one length). ``n_new`` is clipped to
-    [0, E]. Rows needing pages get them from the free stack in row order; a row that cannot
-    get all the pages it needs, or would pass max_entries, writes nothing, keeps its length,
-    and sets ``overflow``.
+    [0, E]. Rows needing pages get them from their group's free stack in row order; a row
+    that cannot get all the pages it needs, or would pass max_entries, writes nothing, keeps
+    its length, and sets its group's ``overflow``.
     """
     fields = cache.fields
     if set(new) != set(fields):
         raise ValueError(f"paged.append: got fields {sorted(new)}, cache has {sorted(fields)}")
-    n_pages, ps, max_entries = cache.n_pages, cache.page_size, cache.max_entries
-    table, length = cache.page_table, cache.length
-    B, per_row = table.shape
+    B = cache.length.shape[0]
     E = next(iter(new.values())).shape[1]
     for name, x in new.items():
         if x.shape[:2] != (B, E) or x.shape[-1] != fields[name].width:
             raise ValueError(f"paged.append: field {name!r} has shape {x.shape}, expected "
                              f"({B}, {E}, {fields[name].width})")
+    n = jnp.broadcast_to(jnp.asarray(n_new, jnp.int32), (B,))
+    return _by_group(_append, cache, dict(new), n)
+
+
+def _append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache:
+    fields = cache.fields
+    n_pages, ps, max_entries = cache.n_pages, cache.page_size, cache.max_entries
+    table, length = cache.page_table, cache.length
+    B, per_row = table.shape
+    E = next(iter(new.values())).shape[1]
     n_free = cache.n_free
 
     n = jnp.clip(jnp.asarray(n_new, jnp.int32).reshape(B), 0, E)
@@ -183,6 +243,12 @@ def append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCache
 
 
 def gather(cache: PagedCache, name: str, idx, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Decode the entries at per-row indices ``idx`` [B, ..., K] (see ``_gather``)."""
+    return _by_group(lambda c, i: _gather(c, name, i, dtype), cache,
+                     jnp.asarray(idx, jnp.int32), returns_cache=False)
+
+
+def _gather(cache: PagedCache, name: str, idx, dtype) -> tuple[jax.Array, jax.Array]:
     """Decode the entries at per-row indices ``idx`` [B, ..., K].
 
     Returns (values [B, ..., K, width] in ``dtype``, valid [B, ..., K]) with
@@ -210,6 +276,10 @@ def read_all(cache: PagedCache, name: str, dtype=jnp.float32) -> tuple[jax.Array
 
     valid = index < length[b]; invalid slots are zeros.
     """
+    return _by_group(lambda c: _read_all(c, name, dtype), cache, returns_cache=False)
+
+
+def _read_all(cache: PagedCache, name: str, dtype) -> tuple[jax.Array, jax.Array]:
     ps, max_entries = cache.page_size, cache.max_entries
     table, length = cache.page_table, cache.length
     B, per_row = table.shape
@@ -225,12 +295,16 @@ def read_all(cache: PagedCache, name: str, dtype=jnp.float32) -> tuple[jax.Array
 
 def pool(cache: PagedCache, name: str) -> tuple[dict, jax.Array]:
     """One field's pages as a single pool [pages, page_size, ...] and the page table into it
-    (what the kernels read): a stacked copy's pages are its block of the copies' pools."""
-    arrays = cache.pages[name]
-    if cache.copy is None:
-        return arrays, cache.page_table
-    table = jnp.where(cache.page_table >= 0, cache.page_table + cache.copy * cache.n_pages, -1)
-    return {a: v.reshape((-1,) + v.shape[2:]) for a, v in arrays.items()}, table
+    (what the kernels read): a group's pages are its range of the pool, and a stacked copy's
+    its block of the copies' pools."""
+    table, (B, _) = cache.page_table, cache.page_table.shape
+    group = jnp.arange(B, dtype=jnp.int32) // (B // cache.groups)
+    offset = group * (cache.n_pages // cache.groups)
+    if cache.copy is not None:
+        offset = offset + cache.copy * cache.n_pages
+    table = jnp.where(table >= 0, table + offset[:, None], -1)
+    return {a: v.reshape((-1,) + v.shape[len(cache.at) + 1:])
+            for a, v in cache.pages[name].items()}, table
 
 
 def release(cache: PagedCache, rows) -> PagedCache:
@@ -239,8 +313,12 @@ def release(cache: PagedCache, rows) -> PagedCache:
     Pages are pushed in row-major (row, page slot) order and are not cleared: reads are
     masked by length, so their old bytes are never visible to the next owner.
     """
+    B = cache.length.shape[0]
+    return _by_group(_release, cache, jnp.asarray(rows, bool).reshape(B))
+
+
+def _release(cache: PagedCache, rows) -> PagedCache:
     table = cache.page_table
-    rows = jnp.asarray(rows, bool).reshape(table.shape[0])
     held = rows[:, None] & (table >= 0)
     flat_held = held.reshape(-1)
     offs = jnp.cumsum(flat_held) - flat_held
@@ -253,8 +331,8 @@ def release(cache: PagedCache, rows) -> PagedCache:
 
 
 def pages_in_use(cache: PagedCache) -> jax.Array:
-    """int32: pages currently owned by rows (n_pages - n_free)."""
-    return jnp.int32(cache.n_pages) - cache.n_free
+    """int32: pages currently owned by rows (n_pages - the free pages of every group)."""
+    return jnp.int32(cache.n_pages) - jnp.sum(cache.n_free, -1, dtype=jnp.int32)
 
 
 def check(cache: PagedCache) -> None:
