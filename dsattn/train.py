@@ -221,6 +221,8 @@ class Trainer:
             return loss_fn(self._model(p), batch, step)
 
         (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+        if self.mesh is not None:  # gradients split like their parameters (FSDP: reduce-scatter)
+            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["lr"] = self.schedule(step)  # the rate this update used (count == step)
