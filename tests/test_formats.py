@@ -340,3 +340,25 @@ class RepresentableValuesRoundTrip(chex.TestCase):
         x = x * 2.0 ** rng.integers(-3, 4, (3, 4, 1))
         round_trip = self.variant(lambda v: F.decode(fmt, F.encode(fmt, v, rope), jnp.float32))
         np.testing.assert_array_equal(np.asarray(round_trip(jnp.asarray(x, jnp.float32))), x)
+
+
+@pytest.mark.parametrize("n_updates", [1, 3])
+def test_store_writes_exactly_the_indexed_vectors(n_updates):
+    """store: each in-range index gets its encoded vector, an out-of-range one is dropped,
+    everything else keeps its bytes; with a single update too (which store keeps a scatter
+    by adding a dropped one)."""
+    stored = F.empty("fp8_ue8m0", (2, 5), 32)
+    x = jnp.asarray(np.random.RandomState(0).normal(size=(n_updates, 32)))
+    rows = jnp.asarray([1, 0, 1][:n_updates])
+    slots = jnp.asarray([3, 4, 5][:n_updates])  # slot 5 is out of range: dropped
+    out = F.store(stored, (rows, slots), F.encode("fp8_ue8m0", x))
+    got = np.asarray(F.decode("fp8_ue8m0", out))
+    want = np.zeros((2, 5, 32))
+    for b, s, v in zip(rows.tolist(), slots.tolist(), np.asarray(F.quantize_dequantize(
+            "fp8_ue8m0", x))):
+        if s < 5:
+            want[b, s] = v
+    np.testing.assert_array_equal(got, want)
+    assert got[1, 3].any()
+    lone = F.store(stored, (jnp.asarray([0]), jnp.asarray([5])), F.encode("fp8_ue8m0", x[:1]))
+    np.testing.assert_array_equal(np.asarray(F.decode("fp8_ue8m0", lone)), 0.0)

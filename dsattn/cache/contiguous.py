@@ -58,16 +58,10 @@ def write(c: Contiguous, values, positions, valid) -> Contiguous:
     enc = formats.encode(c.fmt, values, c.rope)
     if c.heads_first:  # [B, T, G, ...] values into [B, G, L, ...] storage
         heads = jnp.arange(values.shape[2])[None, :, None]
-        return c.replace(stored={k: stored[k].at[c.at + (rows[:, None], heads, slots[:, None])].set(
-            jnp.swapaxes(enc[k], 1, 2).astype(stored[k].dtype), mode="drop") for k in stored})
-    if values.shape[0] * values.shape[1] == 1:
-        # One update (batch-1 decode): XLA turns a one-update scatter into a dynamic-update-
-        # slice, which XLA:CPU then performs on a copy of the whole cache, every step. A
-        # second, dropped update (slot max_len) keeps it a scatter, updated in place.
-        slots = jnp.concatenate([slots, jnp.full_like(slots, max_len)], 1)
-        enc = {k: jnp.concatenate([v, v], 1) for k, v in enc.items()}
-    return c.replace(stored={k: stored[k].at[c.at + (rows, slots)].set(
-        enc[k].astype(stored[k].dtype), mode="drop") for k in stored})
+        return c.replace(stored=formats.store(
+            stored, c.at + (rows[:, None], heads, slots[:, None]),
+            {k: jnp.swapaxes(v, 1, 2) for k, v in enc.items()}))
+    return c.replace(stored=formats.store(stored, c.at + (rows, slots), enc))
 
 
 def read(c: Contiguous, dtype) -> jax.Array:

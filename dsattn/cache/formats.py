@@ -366,3 +366,25 @@ def empty(fmt: str, shape_prefix, width: int, rope: int = 0,
         else:
             out[name] = jnp.zeros(sds.shape, sds.dtype)
     return out
+
+
+def store(stored: dict[str, jax.Array], index: tuple, encoded: dict[str, jax.Array]) -> dict:
+    """`stored` with `encoded` (an `encode` result) written at `index`, a tuple of index
+    arrays broadcast together to the updates' shape U (encoded arrays: U + their trailing
+    dims); out-of-range indices are dropped.
+
+    Always a scatter done in place: XLA turns a one-update scatter (batch-1 decode) into a
+    dynamic-update-slice, which XLA:CPU performs on a copy of the whole array, every step,
+    and in a scanned group (cache.stacked) of every copy's stacked array, every copy. A
+    second, dropped update (the last index one past its dimension) keeps it a scatter.
+    """
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in index))
+    if math.prod(shape) == 1:
+        dim = next(iter(stored.values())).shape[len(index) - 1]
+        index = tuple(jnp.concatenate([jnp.reshape(i, (1,)), jnp.reshape(
+            jnp.asarray(dim, jnp.result_type(i)) if d == len(index) - 1 else i, (1,))])
+            for d, i in enumerate(index))
+        encoded = {k: jnp.concatenate([v.reshape((1,) + v.shape[len(shape):])] * 2)
+                   for k, v in encoded.items()}
+    return {k: a.at[index].set(encoded[k].astype(a.dtype), mode="drop")
+            for k, a in stored.items()}

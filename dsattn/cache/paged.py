@@ -233,9 +233,7 @@ def _append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCach
     pages = {}
     for name, f in fields.items():
         enc = formats.encode(f.fmt, new[name], f.rope)
-        stored = cache.pages[name]
-        pages[name] = {a: stored[a].at[cache.at + (page, slot)].set(
-            enc[a].astype(stored[a].dtype), mode="drop") for a in stored}
+        pages[name] = formats.store(cache.pages[name], cache.at + (page, slot), enc)
 
     return cache.replace(pages=pages, page_table=table,
                          length=jnp.where(granted, new_len, length), free=free,

@@ -75,8 +75,7 @@ def write(ring: Ring, values, positions, valid) -> Ring:
     rows = jnp.arange(positions.shape[0])[:, None]
 
     enc = formats.encode(ring.fmt, values, ring.rope)
-    kv = {k: a.at[ring.at + (rows, slots)].set(enc[k].astype(a.dtype), mode="drop")
-          for k, a in ring.kv.items()}
+    kv = formats.store(ring.kv, ring.at + (rows, slots), enc)
     pos = ring.pos.at[rows, slots].set(positions, mode="drop")
     stale = has[:, None] & (pos <= top[:, None] - w_slots)
     return ring.replace(kv=kv, pos=jnp.where(stale, -1, pos))
