@@ -18,6 +18,9 @@ of decode programs it compiled::
     eng.evaluations(cache)                  # (position, layer) evaluations run for the cache
     eng.generate(prompts, max_new_tokens, ...)
 
+``Engine(model, mesh)`` runs the same programs on a device mesh (dsattn.sharding): weights
+and caches split, caches made in place on their devices, decode still compiled once.
+
 The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
 ``generate(model, ...)`` are conveniences over ``engine(model)``: one engine per live model
 (a weak mapping, so it goes with the model), re-reading the model's weights on each call
@@ -32,6 +35,7 @@ cache stays as it was; the compiled programs also refuse such rows themselves (s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import threading
@@ -44,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsattn import plan
+from dsattn import plan, sharding
 from dsattn.cache import paged
 from dsattn.errors import CacheExhausted, InputError
 from dsattn.model import DecodeState, Transformer, check_tokens
@@ -99,10 +103,14 @@ class Engine:
     module functions share one engine per model, see `engine`).
     """
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None):
         if not isinstance(model, nnx.Module):
             raise InputError(f"Engine: expected an nnx model, got {type(model).__name__}")
         self.cfg = model.cfg
+        self.units = plan.units(model.cfg)
+        # On a mesh of several devices the weights and caches are split (dsattn.sharding)
+        # and the programs run under it; None: one device, as always.
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.graphdef, state = nnx.split(model)
         keyed, self._treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
         found = {p: v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
@@ -111,7 +119,7 @@ class Engine:
         self._variables = None if any(v is None for v in variables) else variables
         self._model = weakref.ref(model)
         self._raws: list = [leaf for _, leaf in keyed]
-        self.state = jax.tree.unflatten(self._treedef, self._raws)
+        self.state = self._placed(jax.tree.unflatten(self._treedef, self._raws))
         # The compiled programs, public for lowering (dsattn.bench.lower); replay (argument 4)
         # is static and the cache (3) donated. decode_fn(state, tokens [B], cache).
         self.prefill_fn = jax.jit(partial(_extend_impl, self.graphdef), static_argnums=4,
@@ -133,8 +141,18 @@ class Engine:
             raws = [v.get_raw_value() for v in self._variables]
         if not all(map(operator.is_, raws, self._raws)):
             self._raws = raws
-            self.state = jax.tree.unflatten(self._treedef, raws)
+            self.state = self._placed(jax.tree.unflatten(self._treedef, raws))
         return self
+
+    def _placed(self, state):
+        """The weights laid out on the mesh (as they are without one)."""
+        if self.mesh is None:
+            return state
+        return sharding.put(state, sharding.tree_shardings(state, self.mesh))
+
+    def _on_mesh(self):
+        """The context the programs run in: the engine's mesh, if any."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # -- caches ---------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int | None = None) -> DecodeState:
@@ -142,7 +160,13 @@ class Engine:
         `model.max_seq_len`)."""
         if self._shapes is None:
             self._shapes = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0)))
-        return self._shapes.init_cache(batch, max_len)
+        if self.mesh is None:
+            return self._shapes.init_cache(batch, max_len)
+        # On a mesh: one pool group per row shard, and each shard made on its own device.
+        groups = sharding.row_shards(self.mesh, batch)
+        make = lambda: split_pools(self._shapes.init_cache(batch, max_len), groups)
+        out = sharding.cache_shardings(self.units, jax.eval_shape(make), self.mesh)
+        return jax.jit(make, out_shardings=out)()
 
     def _known(self, cache) -> _Seen | None:
         """The record of a cache: kept if this engine produced it, else read once (a device
@@ -225,8 +249,9 @@ class Engine:
             padded = np.zeros((b, width), np.int32)
             part = tokens[:, c0: c0 + width]
             padded[:, : part.shape[1]] = part
-            out, cache, e = self.prefill_fn(self.state, jnp.asarray(padded),
-                                            jnp.asarray(n_new), cache, replay, replay_from)
+            with self._on_mesh():
+                out, cache, e = self.prefill_fn(self.state, jnp.asarray(padded),
+                                                jnp.asarray(n_new), cache, replay, replay_from)
             evals = evals + e
             # Each row's logits come from the chunk holding its last prompt token.
             logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None],
@@ -263,7 +288,8 @@ class Engine:
         the returned cache (decode_step reads it once)."""
         _running.engine = self
         try:
-            return self.decode_fn(self.state, next_tokens, cache)
+            with self._on_mesh():
+                return self.decode_fn(self.state, next_tokens, cache)
         finally:
             _running.engine = None
 
@@ -387,8 +413,8 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
     h, layers, evals = model.extend(tokens, positions, valid, cache.layers, replay,
                                     replay_from)
     logits = jnp.where(fits[:, None], model.logits(h), jnp.nan)
-    return logits, cache.replace(pos=start + n_new, overflow=cache.overflow | ~fits,
-                                 layers=layers), evals
+    cache = cache.replace(pos=start + n_new, overflow=cache.overflow | ~fits, layers=layers)
+    return logits, sharding.constrain_cache(model.units, cache), evals
 
 
 def _decode_impl(graphdef, state, tokens, cache):
@@ -398,6 +424,14 @@ def _decode_impl(graphdef, state, tokens, cache):
     logits, cache, _ = _extend_impl(graphdef, state, tokens,
                                     jnp.ones(tokens.shape[:1], jnp.int32), cache)
     return logits, cache
+
+
+def split_pools(state: DecodeState, groups: int) -> DecodeState:
+    """An empty decode state with every paged cache's pool split into `groups` (one per row
+    shard of a mesh: paged.regroup)."""
+    regroup = lambda c: paged.regroup(c, groups) if isinstance(c, paged.PagedCache) else c
+    return state.replace(layers=jax.tree.map(
+        regroup, state.layers, is_leaf=lambda c: isinstance(c, paged.PagedCache)))
 
 
 def _check_room(start, n_new, max_len: int, who: str) -> None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dsattn import plan
+from dsattn import plan, sharding
 from dsattn.attention import sources
 from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
@@ -66,13 +66,13 @@ class Block(nnx.Module):
         """(output, aux losses, the context for the next block)."""
         a, aux, ctx = self.attn(self.attn_norm(x), positions, step, ctx)
         x = x + a
-        return x + self.ffn(self.ffn_norm(x)), aux, ctx
+        return _rows(x + self.ffn(self.ffn_norm(x))), aux, ctx
 
     def extend(self, x, positions, valid, cache, ctx=CachedContext()):
         """(output, the layer's new cache, the context for the next block)."""
         a, cache, ctx = self.attn.extend(self.attn_norm(x), positions, valid, cache, ctx)
         x = x + a
-        return x + self.ffn(self.ffn_norm(x)), cache, ctx
+        return _rows(x + self.ffn(self.ffn_norm(x))), cache, ctx
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         return self.attn.init_cache(batch, max_len)
@@ -175,14 +175,15 @@ class Transformer(nnx.Module):
         check_tokens(tokens, self.cfg.model.vocab_size)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embedding(tokens)
+        x = _rows(self.embedding(tokens))
         auxes, ctx = [], StackContext()
         for unit, block in zip(self.units, self.blocks):
             if unit.start == self.cfg.attention.ced_split and unit.start:
                 ctx = StackContext(encoder_out=x)  # decoder: global KV from the encoder
             x, aux, ctx = block(x, positions, step, ctx)
             auxes.extend(aux if unit.scanned else [aux])
-        return self.embedding.logits(self.norm(x)), auxes
+        logits = self.embedding.logits(self.norm(x))
+        return sharding.constrain(logits, ("batch", "seq", "vocab")), auxes
 
     def __call__(self, tokens):
         return self.forward(tokens)[0]
@@ -213,7 +214,7 @@ class Transformer(nnx.Module):
         chex.assert_equal_shape([tokens, positions, valid])
         chex.assert_equal(len(layer_caches), len(self.blocks))
         split = self.cfg.attention.ced_split
-        x = self.embedding(tokens)
+        x = _rows(self.embedding(tokens))
         ctx = CachedContext()
         new, evals = [], jnp.int32(0)
         for unit, block, cache in zip(self.units, self.blocks, layer_caches):
@@ -231,6 +232,12 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         return self.embedding.logits(h)
+
+
+def _rows(x):
+    """Hidden states [B, T, D] between layers: rows split as the batch is, on a mesh
+    (dsattn.sharding; nothing without one)."""
+    return sharding.constrain(x, ("batch", "seq", "embed"))
 
 
 def per_layer(units, items) -> list:

@@ -208,3 +208,59 @@ def initialize_distributed() -> bool:
     jax.distributed.initialize(num_processes=int(num) if num else None,
                                process_id=int(pid) if pid else None)
     return True
+
+
+# -- caches ----------------------------------------------------------------------------------
+def row_axes(mesh: Mesh, batch: int) -> tuple[str, ...]:
+    """The mesh axes a batch of `batch` rows is split over (as `batch_sharding` splits it)."""
+    axes = spec(("batch",), (batch,), dict(mesh.shape))
+    return () if not axes else axes[0] if isinstance(axes[0], tuple) else (axes[0],)
+
+
+def row_shards(mesh: Mesh, batch: int) -> int:
+    return math.prod(mesh.shape[a] for a in row_axes(mesh, batch))
+
+
+def cache_specs(units, state, mesh: Mesh):
+    """PartitionSpecs for a decode state (model.DecodeState) on `mesh`: every leaf split
+    along its row axis over the batch's mesh axes, so each device holds the caches of its own
+    rows: positions, rings, compressor states, contiguous caches, and the paged caches' page
+    tables and pages (pool groups, one per row shard: paged.regroup). A scanned group's
+    stacked copies (`units`, plan.units) keep their leading axis whole. MHA's key/value heads
+    also split over `tensor`; every other cached vector (an MLA latent, a V4 entry or
+    indexer key, a window) is one vector that all heads read, kept whole on each device."""
+    from dsattn.cache.contiguous import Contiguous
+
+    rows = row_axes(mesh, state.pos.shape[0]) or None
+    tensor = mesh.shape.get("tensor", 1)
+
+    def layer(unit, cache):
+        lead = (None,) if unit.scanned else ()
+
+        def part(c):
+            if isinstance(c, Contiguous) and c.heads_first:
+                heads = next(iter(c.stored.values())).shape[len(lead) + 1]
+                split = "tensor" if tensor > 1 and heads % tensor == 0 else None
+                return jax.tree.map(lambda x: P(*lead, rows, split), c)
+            return jax.tree.map(lambda x: P(*lead, rows), c)
+
+        return jax.tree.map(part, cache, is_leaf=lambda c: isinstance(c, Contiguous))
+
+    return state.replace(pos=P(rows), overflow=P(rows),
+                         layers=tuple(layer(u, c) for u, c in zip(units, state.layers)))
+
+
+def constrain_cache(units, state):
+    """`state` constrained to `cache_specs` on the active mesh (a program's output cache keeps
+    its input's layout, so the next call runs the same program); a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return state
+    return jax.tree.map(jax.lax.with_sharding_constraint, state,
+                        cache_specs(units, state, mesh))
+
+
+def cache_shardings(units, state, mesh: Mesh):
+    """NamedShardings of `cache_specs`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(units, state, mesh),
+                        is_leaf=lambda s: isinstance(s, P))

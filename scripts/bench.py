@@ -5,10 +5,16 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
         [--contexts 1024,4096,16384,32768,65536] [--batches 1,8] [--prefill 1024,4096,8192,16384]
         [--train-seq 1024] [--peer hf] [--out runs/bench]
     python scripts/bench.py --depth-sweep [--out runs/bench]
+    python scripts/bench.py --mesh [--out runs/bench]
 
 --depth-sweep instead times compilation against depth: the V4 pattern at 6/12/24/43 layers
 and the V4.1 pattern at 10/20/40, scanned and unrolled (first call and steady step of the
 forward, a prefill chunk and a decode step), into ``depth.json``.
+
+--mesh instead lays caches out on device meshes (dsattn.sharding): the per-device cache bytes
+of the full-size V4-Flash and V4.1-Flash presets at 128K tokens on meshes (1,1,8), (8,1,1)
+and (2,2,2) (abstract shapes), and the tiny v4/v41 decode and train steps on 8 host CPU
+devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
 under ``--out``, and checks the issue's targets against the measured numbers. The measuring
@@ -24,8 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--mesh" in sys.argv and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # 8 host CPU devices for the mesh measures; set before jax is imported.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 from dsattn import cli  # noqa: E402
+import jax  # noqa: E402
+
+from dsattn import config as config_lib  # noqa: E402
 from dsattn.bench import depth, report, suite  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "tiny"  # the presets, beside this script in the checkout
@@ -65,6 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--depth-sweep", action="store_true",
                     help="time compilation against depth, scanned vs unrolled, and stop")
+    ap.add_argument("--mesh", action="store_true",
+                    help="per-device cache bytes and steps on device meshes, and stop")
     return cli.parse(ap, argv)
 
 
@@ -82,9 +97,31 @@ def log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
+def mesh_measures(args) -> dict:
+    from dsattn.bench import mesh
+
+    rows = [{"preset": name, **mesh.cache_bytes_per_device(
+                config_lib.load(ROOT / "configs" / "deepseek" / f"{name}.yaml"), 8, 131072,
+                shape)}
+            for name in ("v4_flash", "v4_1_flash") for shape in mesh.MESHES]
+    print(mesh.table(rows))
+    steps = []
+    if jax.device_count() >= 8:
+        for name in ("v4", "v41"):
+            cfg = config_lib.load(Path(args.configs) / f"{name}.yaml", ["model.dtype=float32"])
+            for shape in mesh.MESHES:
+                steps.append({"preset": name, **mesh.time_on_mesh(cfg, shape)})
+                log(f"{name} on {shape}: {steps[-1]}")
+    result = {"cache_bytes": rows, "steps": steps}
+    (Path(args.out) / "mesh.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.mesh:
+        return mesh_measures(args)
     if args.depth_sweep:
         rows = depth.run(args.configs, log=log)
         (Path(args.out) / "depth.json").write_text(json.dumps(rows, indent=1))

@@ -1,6 +1,7 @@
 """The multi-device checks of tests/test_sharding.py, run in their own process with 8 CPU
-host devices (the rest of the suite sees one): sharded forward and train step against one
-device, a checkpoint restored onto another mesh shape, and how parameters are split.
+host devices (the rest of the suite sees one): sharded forward, train step, prefill and
+decode against one device, a checkpoint restored onto another mesh shape, and how
+parameters and caches are split.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_ENABLE_X64=1 \\
         python tests/sharding_checks.py RUN_DIR
@@ -23,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dsattn import checkpoint, sharding  # noqa: E402
+from dsattn import checkpoint, generate, sharding  # noqa: E402
 from dsattn.model import Transformer  # noqa: E402
 from dsattn.train import Trainer  # noqa: E402
 from tests.helpers import preset  # noqa: E402
@@ -78,6 +79,53 @@ def forward_checks(out: dict, tokens, meshes: dict):
             out[f"forward/{name}/{shape}"] = max_diff(forward(graphdef, params, tokens, mesh),
                                                       want)
     out["time/forward"] = time.perf_counter() - T0
+
+
+def decode_checks(out: dict, tokens):
+    """Sharded prefill + decode steps vs one device for every preset and mesh, the decode
+    program compiled once per engine, and how a paged cache is split on (8, 1, 1)."""
+    tokens = np.asarray(tokens)
+    lengths = np.array([5, 17, 9, 12, 3, 20, 8, 11])
+    for name in PRESETS:
+        model = Transformer(preset(name, *SMALL), rngs=nnx.Rngs(0))
+
+        def run(mesh=None):
+            eng = generate.Engine(model, mesh)
+            logits, cache = eng.prefill(tokens[:, :24], lengths, eng.init_cache(8, 32))
+            steps = [np.asarray(logits)]
+            for s in range(2):
+                logits, cache = eng.decode_step(tokens[np.arange(8), lengths + s], cache)
+                steps.append(np.asarray(logits))
+            return np.stack(steps), cache, eng.decode_compilations
+
+        want, _, _ = run()
+        for shape in MESHES:
+            mesh = sharding.make_mesh(preset(name, *mesh_args(shape)))
+            got, cache, compiled = run(mesh)
+            out[f"decode/{name}/{shape}"] = float(np.max(np.abs(got - want)))
+            out[f"decode/{name}/{shape}/compiled"] = compiled
+            if name == "v4" and shape == (8, 1, 1):
+                out.update(paged_split(cache))
+    out["time/decode"] = time.perf_counter() - T0
+
+
+def paged_split(state) -> dict:
+    """Shards of the first paged cache: its pages and page table, one row block per device,
+    and the largest page id each device's rows hold (ids are local to the device's pages)."""
+    from dsattn.cache.paged import PagedCache
+
+    cache = next(c for c in jax.tree.leaves(state.layers,
+                                            is_leaf=lambda c: isinstance(c, PagedCache))
+                 if isinstance(c, PagedCache))
+    pages = next(iter(cache.pages["entry"].values()))
+    return {"paged/pages": [list(pages.shape), sorted({tuple(s.data.shape)
+                                                       for s in pages.addressable_shards})],
+            "paged/table": [list(cache.page_table.shape), sorted(
+                {tuple(s.data.shape) for s in cache.page_table.addressable_shards})],
+            "paged/max_local_id": max(int(np.max(s.data)) for s in
+                                      cache.page_table.addressable_shards),
+            "paged/rows_with_pages": int(np.sum(np.asarray(cache.length) > 0)),
+            "paged/groups": cache.groups}
 
 
 def split_checks(out: dict, trainer: Trainer):
@@ -161,7 +209,8 @@ def main(run_root: str):
     # mesh context and nnx's graph context are per thread).
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         parts = [pool.submit(forward_checks, out, tokens, meshes),
-                 pool.submit(train_checks, out, run_root, tokens)]
+                 pool.submit(train_checks, out, run_root, tokens),
+                 pool.submit(decode_checks, out, tokens)]
     for part in parts:
         part.result()  # re-raises a failed check
     out["time/total"] = time.perf_counter() - T0

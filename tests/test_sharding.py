@@ -1,5 +1,5 @@
 """Multi-device layout (dsattn.sharding): the rules and their fallbacks here, on the one
-device the suite sees; sharded programs in one subprocess with 8 CPU host devices
+device the suite sees; sharded programs (training, prefill and decode) in one subprocess with 8 CPU host devices
 (tests/sharding_checks.py), whose JSON report the tests below read.
 
 The subprocess compiles a forward for each preset and mesh and a train step for each mesh
@@ -70,6 +70,48 @@ def test_parameters_and_moments_are_split(report):
     assert split["scanned.ffn.w_down"]["shards"] == [[3, 192, 64]]
     for v in split.values():
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
+
+
+@pytest.mark.parametrize("name", ["mla", "v4", "v41"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_prefill_and_decode_match_one_device(report, name, mesh):
+    """A prompt prefilled and two tokens decoded on the mesh give one device's logits, and
+    the engine's decode program compiled once (its output cache keeps the input's layout)."""
+    assert report[f"decode/{name}/{mesh}"] <= 1e-12
+    assert report[f"decode/{name}/{mesh}/compiled"] == 1
+
+
+def test_paged_cache_rows_and_pages_split_together(report):
+    """On (8, 1, 1) a paged cache is one pool group per device: each holds one row's page
+    table and its own block of pages, and the ids in its table are local to that block."""
+    (n_pages, *page), shards = report["paged/pages"]
+    assert report["paged/groups"] == 8 and shards == [[n_pages // 8, *page]]
+    (rows, per_row), table_shards = report["paged/table"]
+    assert rows == 8 and table_shards == [[1, per_row]]
+    assert report["paged/rows_with_pages"] == 8
+    assert 0 <= report["paged/max_local_id"] < n_pages // 8
+
+
+def test_cache_layout_rules():
+    """Every cache leaf splits along its row axis over the batch's mesh axes (a scanned
+    group's stacked copies stay whole); MHA's key/value heads also over tensor; V4's shared
+    entries stay whole on tensor."""
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    for name, heads in (("mha", True), ("v41", False)):
+        cfg = preset(name, "model.scan_layers=true")
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        state = jax.eval_shape(lambda: model.init_cache(8, 32))
+        specs = sharding.cache_specs(model.units, state, mesh)
+        assert specs.pos == P(("data", "fsdp"))
+        for unit, layer in zip(model.units, specs.layers):
+            lead = (None,) if unit.scanned else ()
+            for spec in jax.tree.leaves(layer, is_leaf=lambda s: isinstance(s, P)):
+                want = P(*lead, ("data", "fsdp"), "tensor") if heads else P(*lead,
+                                                                              ("data", "fsdp"))
+                assert spec == want
+    # 4 rows on (2, 2, 2): data and fsdp both still divide; 2 rows: data only
+    state = jax.eval_shape(lambda: model.init_cache(2, 32))
+    assert sharding.cache_specs(model.units, state, mesh).pos == P("data")
 
 
 def test_checkpoint_restores_onto_another_mesh(report):
