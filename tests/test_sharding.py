@@ -1,11 +1,13 @@
 """Multi-device layout (dsattn.sharding): the rules and their fallbacks here, on the one
-device the suite sees; sharded programs (training, prefill and decode) in one subprocess with 8 CPU host devices
-(tests/sharding_checks.py), whose JSON report the tests below read.
+device the suite sees; sharded programs (training, prefill and decode) in one subprocess
+with 8 CPU host devices (tests/sharding_checks.py), whose JSON report the tests below read.
 
-The subprocess compiles a forward for each preset and mesh and a train step for each mesh
-(about 40-60 s on 2 cores): it runs once per session, whichever tests ask for it.
+The subprocess compiles a forward, a prefill and a decode program for each preset and mesh
+and a train step for each mesh: it runs once per test session, whichever worker asks
+first.
 """
 
+import fcntl
 import json
 import os
 import re
@@ -28,17 +30,32 @@ MESHES = ("(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)")
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+    """The subprocess's JSON report, made once per test session: pytest-xdist workers share
+    the session's base temp directory, and a lock lets the first worker run it while the
+    others wait for its file."""
+    shared = tmp_path_factory.getbasetemp()  # this session's; under xdist, this worker's
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's, shared by its workers
+    with open(shared / "sharding.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "sharding.json"
+        if not done.exists():
+            done.write_text(json.dumps(_run_checks(shared / "sharding-runs")))
+    out = json.loads(done.read_text())
+    assert out["devices"] == 8 and out["x64"]
+    return out
+
+
+def _run_checks(run_root) -> dict:
     env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_checks.py"),
-                          str(tmp_path_factory.mktemp("sharding"))],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          str(run_root)], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["devices"] == 8 and out["x64"]
-    return out
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 # -- 8 devices, in the subprocess --------------------------------------------------------------
