@@ -34,7 +34,7 @@ MESHES = ((8, 1, 1), (2, 2, 2), (1, 1, 8))
 PRESETS = ("mla", "v4", "v41")
 TRAIN_PRESET = "mla"  # the train step and checkpoint checks (the fastest to compile)
 # Small enough to compile fast; 8 rows divide every mesh's data x fsdp. Scanned layers: MLA's
-# last 3 layers hold their parameters stacked (a leading axis the rules leave unsplit).
+# 4 layers hold their parameters stacked (a leading axis the rules leave unsplit).
 SMALL = ("model.dtype=float64", "model.scan_layers=true", "train.batch_size=8",
          "train.seq_len=32", "train.eval_batches=1", "train.warmup_steps=0",
          "data.max_bytes=200000")
@@ -130,14 +130,14 @@ def paged_split(state) -> dict:
 
 def split_checks(out: dict, trainer: Trainer):
     """Shard shapes of a few parameters and of their optimizer moments on (2, 2, 2)."""
+    # MLA's 4 layers are one scanned group: parameters stacked [4, ...] (the copies unsplit)
+    layer = ("blocks", 0, "layers", 0)
     named = {
-        "ffn.w_gate": ("blocks", 0, "ffn", "w_gate", "kernel"),  # [d_model, ffn] (fsdp, tensor)
-        "ffn.w_down": ("blocks", 0, "ffn", "w_down", "kernel"),  # [ffn, d_model] (tensor, fsdp)
-        "attn.wq_b": ("blocks", 0, "attn", "wq_b", "kernel"),  # MLA [q_lora, H*(dn+dr)]
+        "ffn.w_gate": layer + ("ffn", "w_gate", "kernel"),  # [4, d_model, ffn] (-, fsdp, tensor)
+        "ffn.w_down": layer + ("ffn", "w_down", "kernel"),  # [4, ffn, d_model] (-, tensor, fsdp)
+        "attn.wq_b": layer + ("attn", "wq_b", "kernel"),  # MLA [4, q_lora, H*(dn+dr)]
         "embedding": ("embedding", "embed", "embedding"),  # [vocab, d_model] (tensor, fsdp)
         "norm": ("norm", "weight"),  # replicated
-        # a scanned group's stacked copies: [3, ffn, d_model] (-, tensor, fsdp)
-        "scanned.ffn.w_down": ("blocks", 1, "layers", 0, "ffn", "w_down", "kernel"),
     }
     paths = {jax.tree_util.keystr(p, simple=True, separator="."): x
              for p, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state)}
@@ -187,13 +187,13 @@ def train_checks(out: dict, run_root: str, tokens):
                                              sharding.tree_shardings(opt_state, mesh)))
     mngr.wait_until_finished()
     out["ckpt/saved_shards"] = sorted({tuple(s.data.shape) for s in jax.device_put(
-        want, sharding.tree_shardings(want, mesh))["blocks"][0]["ffn"]["w_gate"]["kernel"]
+        want, sharding.tree_shardings(want, mesh))["blocks"][0]["layers"][0]["ffn"]["w_gate"]["kernel"]
         .addressable_shards})
     loader = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((1, 1, 8))), run_dir, quiet=True)
     out["ckpt/step"] = loader.step
     out["ckpt/params"] = max_diff(loader.params, want)
     out["ckpt/opt_state"] = max_diff(loader.opt_state, opt_state)
-    leaf = loader.params["blocks"][0]["ffn"]["w_gate"]["kernel"]
+    leaf = loader.params["blocks"][0]["layers"][0]["ffn"]["w_gate"]["kernel"]
     out["ckpt/w_gate_shards"] = sorted({tuple(s.data.shape) for s in leaf.addressable_shards})
     # single's graphdef equals the forward checks' (same config): their compiled forwards
     out["ckpt/logits"] = max_diff(forward(single.graphdef, loader.params, tokens, loader.mesh),

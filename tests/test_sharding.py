@@ -76,15 +76,15 @@ def test_parameters_and_moments_are_split(report):
     embedding's vocabulary rows over both; Adam's moments split like their
     parameters; norm scales replicated."""
     split = {k.split("/", 1)[1]: v for k, v in report.items() if k.startswith("split/")}
-    assert split["ffn.w_gate"]["spec"] == ["fsdp", "tensor"]
-    assert split["ffn.w_gate"]["shards"] == [[64, 192]]  # [128, 384] / (2, 2)
-    assert split["ffn.w_down"]["shards"] == [[192, 64]]
-    assert split["attn.wq_b"]["shards"] == [[48, 96]]  # [q_lora 96, heads 4 x 48] / (2, 2)
+    # the scanned group's 4 copies stacked in front, unsplit
+    assert split["ffn.w_gate"]["spec"] == [None, "fsdp", "tensor"]
+    assert split["ffn.w_gate"]["shards"] == [[4, 64, 192]]  # [4, 128, 384] / (-, 2, 2)
+    assert split["ffn.w_down"]["spec"] == [None, "tensor", "fsdp"]
+    assert split["ffn.w_down"]["shards"] == [[4, 192, 64]]
+    assert split["attn.wq_b"]["shards"] == [[4, 48, 96]]  # [4, q_lora 96, heads 4 x 48]
     assert split["embedding"]["spec"] == [["tensor", "fsdp"]]  # rows whole: a lookup reads one
     assert split["embedding"]["shards"] == [[64, 128]]
     assert split["norm"]["shards"] == [[128]]
-    assert split["scanned.ffn.w_down"]["spec"] == [None, "tensor", "fsdp"]
-    assert split["scanned.ffn.w_down"]["shards"] == [[3, 192, 64]]
     for v in split.values():
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
 
@@ -114,19 +114,20 @@ def test_cache_layout_rules():
     group's stacked copies stay whole); MHA's key/value heads also over tensor; V4's shared
     entries stay whole on tensor."""
     mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
-    for name, heads in (("mha", True), ("v41", False)):
-        cfg = preset(name, "model.scan_layers=true")
+    v4 = ("model.n_layers=6", "attention.layers=(csa, hca)*3", "attention.ratios=(4, 8)*3")
+    for name, heads, overrides in (("mha", True, ()), ("v4", False, v4)):
+        cfg = preset(name, "model.scan_layers=true", *overrides)
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         state = jax.eval_shape(lambda: model.init_cache(8, 32))
         specs = sharding.cache_specs(model.units, state, mesh)
         assert specs.pos == P(("data", "fsdp"))
+        assert any(u.scanned for u in model.units)
         for unit, layer in zip(model.units, specs.layers):
             lead = (None,) if unit.scanned else ()
+            rows = P(*lead, ("data", "fsdp"), "tensor") if heads else P(*lead, ("data", "fsdp"))
             for spec in jax.tree.leaves(layer, is_leaf=lambda s: isinstance(s, P)):
-                want = P(*lead, ("data", "fsdp"), "tensor") if heads else P(*lead,
-                                                                              ("data", "fsdp"))
-                assert spec == want
-    # 4 rows on (2, 2, 2): data and fsdp both still divide; 2 rows: data only
+                assert spec == rows
+    # 2 rows on (2, 2, 2): data divides them, fsdp is left out
     state = jax.eval_shape(lambda: model.init_cache(2, 32))
     assert sharding.cache_specs(model.units, state, mesh).pos == P("data")
 
@@ -135,9 +136,9 @@ def test_checkpoint_restores_onto_another_mesh(report):
     """Saved on (4, 1, 2), restored on (1, 1, 8): the same parameters, laid out for the new
     mesh, and the same logits."""
     assert report["ckpt/step"] == 1
-    assert report["ckpt/saved_shards"] == [[128, 192]]  # d_model whole, ffn 384 / tensor 2
+    assert report["ckpt/saved_shards"] == [[4, 128, 192]]  # d_model whole, ffn 384 / tensor 2
     assert report["ckpt/params"] == 0.0 and report["ckpt/opt_state"] == 0.0
-    assert report["ckpt/w_gate_shards"] == [[128, 48]]  # ffn hidden 384 / tensor 8
+    assert report["ckpt/w_gate_shards"] == [[4, 128, 48]]  # ffn hidden 384 / tensor 8
     assert report["ckpt/logits"] <= 1e-12
 
 
@@ -169,9 +170,9 @@ def test_rules_name_every_weight_matrix():
     cfg = preset("mla", "model.scan_layers=true")
     params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(
         Transformer(cfg, rngs=nnx.Rngs(0)))))
-    stacked = params["blocks"][1]["layers"][0]["ffn"]["w_down"]["kernel"]
-    assert stacked.shape == (3, 384, 128)
-    path = "blocks.1.layers.0.ffn.w_down.kernel"
+    stacked = params["blocks"][0]["layers"][0]["ffn"]["w_down"]["kernel"]
+    assert stacked.shape == (4, 384, 128)
+    path = "blocks.0.layers.0.ffn.w_down.kernel"
     assert sharding.param_axes(path, 3) == (None, "ffn", "embed")
     assert sharding.spec(sharding.param_axes(path, 3), stacked.shape,
                          {"fsdp": 2, "tensor": 4}) == P(None, "tensor", "fsdp")
