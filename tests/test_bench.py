@@ -12,7 +12,7 @@ from flax import nnx
 from dsattn import generate
 from dsattn.bench import measures, report
 from dsattn.model import Transformer
-from tests.helpers import TINY_CONFIGS, run_script
+from tests.helpers import TINY_CONFIGS, preset, run_script
 
 # A 4-layer V4.1 stack (encoder swa, full m=2 | decoder full m=1, reuse): compiles fast.
 SMALL_V41 = ("model.n_layers=4", "attention.layers=swa, full, full, reuse",
@@ -67,3 +67,21 @@ def test_bench_script_smoke(tmp_path):
     assert all((t["met"] is None) == (t["value"] is None) for t in result["targets"])
     for png in ("decode.png", "prefill.png", "roofline.png"):
         assert os.path.getsize(out / png) > 1000
+
+
+def test_per_device_cache_bytes_on_meshes():
+    """scripts/bench.py --mesh: a decode state laid out on a mesh (abstract shapes) holds
+    kvbytes' bytes in all; rows split over data leave each device its rows' share, a tensor
+    split leaves every device the whole cache (V4 entries are read by every head)."""
+    from dsattn import kvbytes
+    from dsattn.bench import mesh
+
+    cfg = preset("v4", "model.dtype=float32")
+    total = 8 * (kvbytes.global_bytes(cfg, 1024) + kvbytes.local_bytes(cfg, context=1024))
+    rows = mesh.cache_bytes_per_device(cfg, 8, 1024, (8, 1, 1))
+    assert rows["stored_bytes"] == total and rows["stored_bytes_per_device"] == total // 8
+    heads = mesh.cache_bytes_per_device(cfg, 8, 1024, (1, 1, 8))
+    assert heads["stored_bytes_per_device"] == total
+    both = mesh.cache_bytes_per_device(cfg, 8, 1024, (2, 2, 2))
+    assert both["stored_bytes_per_device"] == total // 4
+    assert both["cache_bytes_per_device"] > both["stored_bytes_per_device"]
