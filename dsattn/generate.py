@@ -107,7 +107,7 @@ class Engine:
         if not isinstance(model, nnx.Module):
             raise InputError(f"Engine: expected an nnx model, got {type(model).__name__}")
         self.cfg = model.cfg
-        self.units = plan.units(model.cfg)
+        self.units = model.units
         # On a mesh of several devices the weights and caches are split (dsattn.sharding)
         # and the programs run under it; None: one device, as always.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None

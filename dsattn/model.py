@@ -143,8 +143,9 @@ class ScannedBlocks(nnx.Module):
                                            (params, jnp.arange(self.copies, dtype=jnp.int32)))
         if self.publisher is not None:
             q, spec = self.publisher
-            ctx = ctx.replace(global_cache=stacked.last_copy(sources.published(spec,
-                                                                               caches[q])))
+            last = jnp.int32(self.copies - 1)  # what the layers after the group borrow
+            ctx = ctx.replace(global_cache=stacked.view(sources.published(spec, caches[q]),
+                                                        last))
         return x, caches, ctx
 
     def init_cache(self, batch: int, max_len: int) -> tuple:

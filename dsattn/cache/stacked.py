@@ -12,7 +12,6 @@ leaves back and takes its (already updated) stored vectors as they are.
 """
 
 import jax
-import jax.numpy as jnp
 
 from dsattn.cache.contiguous import Contiguous
 from dsattn.cache.paged import PagedCache
@@ -51,10 +50,3 @@ def merge(stacked, new, i):
 
     return jax.tree.map(one, stacked, new, is_leaf=_is_storing)
 
-
-def last_copy(stacked_cache):
-    """A view of the last copy of one stacked cache (what a scanned group leaves in the
-    context for the layers after it)."""
-    n = jax.tree.leaves(_without_storage(stacked_cache) if _is_storing(stacked_cache)
-                        else stacked_cache)[0].shape[0]
-    return view(stacked_cache, jnp.int32(n - 1))
