@@ -80,6 +80,9 @@ class AttentionConfig:
     pool_blocks: int = 0  # hierarchical indexer: candidate blocks kept (0: off)
     pool_block_size: int = 8
     top_k: int = 8  # entries (tokens for dsa) each query selects through the indexer
+    # Queries per block in the training forward and a prefill chunk (attention/blocks.py):
+    # what attention holds live scales with the block, not with T x T. Not a model change.
+    query_block: int = 512
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class IndexerConfig:
     impl: str = "auto"
     interpret: bool = False
     topk_method: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may differ
+    key_block: int = 4096  # keys scored per step of the running top-k (indexer.top_k)
 
 
 @dataclass(frozen=True)
@@ -447,6 +451,8 @@ def validate(cfg: Config) -> None:
     if a.pool_blocks < 0:
         raise ConfigError(f"attention.pool_blocks: must be >= 0, got {a.pool_blocks}")
     _positive(a.pool_block_size, "attention.pool_block_size")
+    _positive(a.query_block, "attention.query_block")
+    _positive(ix.key_block, "indexer.key_block")
     plan.check(cfg)
 
     if indexed:

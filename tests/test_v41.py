@@ -63,18 +63,26 @@ def _contexts(model, tokens):
     return run(model, tokens)
 
 
+def _mask(sel, ctx):
+    """A selection (entry ids per query) as a [B, T, n] mask over the context's entries."""
+    n = ctx.entries.fields["entry"].shape[1]
+    return np.asarray(indexer.selection_mask(sel.idx, sel.ok, n))
+
+
 def test_reuse_passes_the_selection_on_and_reindex_reselects():
     model = tiny_model("v41")
     kinds = model.cfg.attention.layers
     ctxs = _contexts(model, jnp.asarray(np.random.RandomState(0).randint(0, 256, (2, 40))))
     for i, kind in enumerate(kinds):
+        if kind in ("reuse", "reindex"):  # the full layer's entries, unchanged
+            jax.tree.map(np.testing.assert_array_equal, ctxs[i].entries, ctxs[i - 1].entries)
         if kind == "reuse":
-            np.testing.assert_array_equal(ctxs[i].selection, ctxs[i - 1].selection)
-            np.testing.assert_array_equal(ctxs[i].entries, ctxs[i - 1].entries)
-        if kind == "reindex":  # same entries, its own selection inside the full layer's pool
-            np.testing.assert_array_equal(ctxs[i].entries, ctxs[i - 1].entries)
-            assert not bool(jnp.all(ctxs[i].selection == ctxs[i - 1].selection))
-            assert not bool(jnp.any(ctxs[i].selection & ~ctxs[i].pool))
+            np.testing.assert_array_equal(_mask(ctxs[i].selection, ctxs[i]),
+                                          _mask(ctxs[i - 1].selection, ctxs[i - 1]))
+        if kind == "reindex":  # its own selection inside the full layer's pool
+            own = _mask(ctxs[i].selection, ctxs[i])
+            assert not np.all(own == _mask(ctxs[i - 1].selection, ctxs[i - 1]))
+            assert not np.any(own & ~_mask(ctxs[i].pool, ctxs[i]))
     split = model.cfg.attention.ced_split
     assert ctxs[split - 1].pool is None and ctxs[split].pool is not None  # the decoder's pool
 

@@ -1,9 +1,10 @@
 """What layers hand down the stack, as typed immutable values: each layer takes a context
 and returns the next one (`ctx.replace(...)`), never an attention result.
 
-Training (`StackContext`) carries dense masks over a whole sequence; cached execution
-(`CachedContext`) carries the shared paged cache and per-query entry ids. Under CED the
-decoder starts from a context holding only the encoder's output.
+Both carry selections as per-query entry ids (`Selection`); training (`StackContext`) holds
+the latest full layer's entries as computed over the whole sequence (`reads.Entries`), cached
+execution (`CachedContext`) its paged cache. Under CED the decoder starts from a context
+holding only the encoder's output.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from flax import struct
 
 @struct.dataclass
 class Selection:
-    """Per-query entry ids [B, T, k] and which of them are real picks."""
+    """Per-query entry ids [B, T, k] and which of them are real picks; `dense` (a scalar
+    bool, training only) true while the dense warm-up reads every complete entry instead."""
 
     idx: jax.Array
     ok: jax.Array
+    dense: jax.Array | None = None
 
 
 @struct.dataclass
@@ -33,15 +36,14 @@ class Stream:
 
 @struct.dataclass
 class StackContext:
-    """Training forward: the latest full layer's entries [B, n, c] and search keys
-    [B, n, d], the latest selection over them and the hierarchical indexer's candidate pool
-    (both [B, T, n] masks), and (CED decoder) the encoder's output [B, T, D]."""
+    """Training forward: the latest full layer's entries and search keys (`reads.Entries`),
+    the latest selection over them and the hierarchical indexer's candidate pool (entry ids
+    per query), and (CED decoder) the encoder's output [B, T, D]."""
 
     encoder_out: jax.Array | None = None
-    entries: jax.Array | None = None
-    keys: jax.Array | None = None
-    selection: jax.Array | None = None
-    pool: jax.Array | None = None
+    entries: Any = None
+    selection: Selection | None = None
+    pool: Selection | None = None
 
 
 @struct.dataclass

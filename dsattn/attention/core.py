@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsattn.attention import reads
 from dsattn.attention.common import shared_mix, shared_scores, softmax_dtype
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope_last
@@ -72,15 +73,30 @@ class GroupedOutput(nnx.Module):
 
 
 class SinkAttentionOutput(nnx.Module):
-    """Sink logits + inverse RoPE + grouped output: everything after the key sets are known."""
+    """Sink attention over [global items read | window], inverse RoPE and the grouped output,
+    by query blocks of `attention.query_block` (attention/reads.py)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         a = cfg.attention
         self.sink = nnx.Param(jnp.zeros((a.n_heads,), jnp.dtype(cfg.model.dtype)))
         self.out = GroupedOutput(cfg, rngs)
-        self.rope_dim = a.rope_dim
+        self.rope_dim, self.query_block = a.rope_dim, a.query_block
 
-    def __call__(self, q, parts, positions, theta):
-        o, probs = attend(q, parts, self.sink[...])
-        o = apply_rope_last(o.astype(q.dtype), positions, theta, self.rope_dim, inverse=True)
-        return self.out(o), probs
+    def __call__(self, q, positions, valid, window, read, theta, target=None):
+        """q [B, T, H, c] at positions [B, T]; window: a `local.Window`; read: what the
+        selector returned (None: window only). Returns (output [B, T, D], the indexer's KL
+        loss or None)."""
+        sink = self.sink[...]
+
+        def one(start, q_blk, pos, items):
+            keys, key_pos = window.block(start, q_blk.shape[1])
+            parts = [(keys, window.mask(key_pos, pos))]
+            if items is not None:
+                parts.insert(0, items)
+            o, probs = attend(q_blk, parts, sink)
+            o = apply_rope_last(o.astype(q.dtype), pos, theta, self.rope_dim, inverse=True)
+            # attention mass per global item, summed over heads: the indexer's KL target
+            return self.out(o), (probs[0].sum(axis=2) if items is not None else None)
+
+        return reads.attend_blocks(one, self.query_block, q, positions, valid, read, q.dtype,
+                                   target)

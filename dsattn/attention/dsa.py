@@ -1,5 +1,5 @@
 """DeepSeek Sparse Attention (V3.2): MLA whose queries read only the top-k tokens a lightning
-indexer picks (REFERENCE.md §1.3).
+indexer picks (the DeepSeek-V3.2 report, "DeepSeek Sparse Attention").
 
 The indexer key is LayerNorm(W^K x) with RoPE on its last `indexer.rope_dim` dims, one per
 token, stored beside MLA's latent in the paged global cache. The selection is the same
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsattn.attention import reads
 from dsattn.attention.common import masked_softmax
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.mla import MLA
@@ -29,6 +30,7 @@ class DSA(MLA):
         ix, m = cfg.indexer, cfg.model
         dt = jnp.dtype(m.dtype)
         self.key_rope, self.page_size = ix.rope_dim, cfg.cache.page_size
+        self.query_block = cfg.attention.query_block
         self.fields = paged_fields(cfg, spec)  # "entry": [C^KV | K^R], "key": search key
         self.selector = IndexerSelector(cfg, spec, cfg.attention.q_lora_rank or m.d_model,
                                         rngs)
@@ -46,16 +48,27 @@ class DSA(MLA):
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
         return k
 
+    def _attend(self, q_nope, q_pe, positions, valid, read, target=None):
+        """Absorbed MLA over the items `read` names, by query blocks (reads.attend_blocks):
+        each block gathers only its queries' top-k latents."""
+        def one(start, q_blk, pos, items):
+            lat, mask = items
+            p = masked_softmax(self.absorbed_scores(*q_blk, lat), mask)
+            return self.absorbed_output(p, lat), p.sum(axis=1)
+
+        return reads.attend_blocks(one, self.query_block, (q_nope, q_pe), positions, valid,
+                                   read, self.dtype, target)
+
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
-        lat = self._as_stored("entry", self.latents(x, positions))
-        keys = self._as_stored("key", self.index_keys(x, positions))
-        mask, score, ctx = self.selector(cq, x, positions, self.theta, keys, x.shape[1], step,
-                                         ctx)
-        p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), mask)
-        loss = self.selector.loss(score, jnp.sum(p, axis=1), mask)
-        return self.naive_output(p, lat), {"indexer_loss": loss}, ctx
+        store = reads.Entries({"entry": self._as_stored("entry", self.latents(x, positions)),
+                               "key": self._as_stored("key", self.index_keys(x, positions))})
+        read, target, ctx = self.selector(store, cq, x, positions, self.theta, step, ctx,
+                                          "xla", self.dtype)
+        y, kl = self._attend(q_nope, q_pe, positions, jnp.ones(positions.shape, bool), read,
+                             target)
+        return y, {"indexer_loss": self.selector.loss(kl)}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return {"global": paged.empty(self.fields, batch, max_len, self.page_size, self.dtype)}
@@ -65,7 +78,6 @@ class DSA(MLA):
         q_nope, q_pe = self.queries(cq, positions)
         new = {"entry": self.latents(x, positions), "key": self.index_keys(x, positions)}
         g = paged.append(cache["global"], new, jnp.sum(valid, -1, dtype=jnp.int32))
-        lat, ok, ctx = self.selector.extend(g, cq, x, positions, self.theta, ctx,
-                                            self.dtype)  # only the top-k tokens' latents
-        p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), ok)
-        return self.absorbed_output(p, lat), {"global": g}, ctx
+        read, _, ctx = self.selector(g, cq, x, positions, self.theta, None, ctx, None,
+                                     self.dtype)  # only the top-k tokens' latents
+        return self._attend(q_nope, q_pe, positions, valid, read)[0], {"global": g}, ctx

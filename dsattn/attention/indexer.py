@@ -51,6 +51,16 @@ def gathered_scores(q, w, keys):
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
 
 
+def _top(x, k: int, method: str):
+    """(values, positions) of the k largest along the last axis; exact ties keep the lower
+    position first (lax.top_k is stable)."""
+    if method == "approx":
+        return jax.lax.approx_max_k(x, k, recall_target=1.0)
+    if method == "exact":
+        return jax.lax.top_k(x, k)
+    raise ValueError(f"indexer.select: method={method!r} is not one of: exact, approx")
+
+
 def select(score, visible, k: int, method: str = "exact"):
     """Top-k entry indices [B, T, k] among the visible ones, and which picks are real.
 
@@ -61,14 +71,60 @@ def select(score, visible, k: int, method: str = "exact"):
     When fewer than k entries are visible the extra picks are marked invalid.
     """
     k = min(k, score.shape[-1])
-    masked = jnp.where(visible, score, -jnp.inf)
-    if method == "approx":
-        vals, idx = jax.lax.approx_max_k(masked, k, recall_target=1.0)
-    elif method == "exact":
-        vals, idx = jax.lax.top_k(masked, k)
-    else:
-        raise ValueError(f"indexer.select: method={method!r} is not one of: exact, approx")
+    vals, idx = _top(jnp.where(visible, score, -jnp.inf), k, method)
     return idx.astype(jnp.int32), vals > -jnp.inf
+
+
+def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "exact",
+          block_max: int | None = None):
+    """The indexer's top-k of queries q [B,T,n,d] (weights w [B,T,n]) over keys [B,S,d],
+    scored key block by key block with a running top-k, so no [B, T, n, S] (nor [B, T, S])
+    array is ever live: O(T·(k + key_block)).
+
+    A query at t may pick key s where ``stored`` [B, S] and s < ``n_visible`` [B, T]. Returns
+    (idx [B, T, min(k, S)], ok), equal to ``select`` over the whole score (ties to the lowest
+    index: the running set holds lower indices than every later block and top_k is stable),
+    and with ``block_max`` also each block of that many entries' maximum candidate score
+    [B, T, ceil(S / block_max)] (``block_scores``).
+    """
+    s_len = keys.shape[1]
+    k = min(k, s_len)
+    if block_max:  # maxima per key block must not straddle two key blocks
+        key_block = -(-key_block // block_max) * block_max
+
+    def scored(keys_blk, stored_blk, lo):
+        ok = stored_blk[:, None, :] & (lo + jnp.arange(keys_blk.shape[1]) < n_visible[..., None])
+        return jnp.where(ok, scores(q, w, keys_blk), -jnp.inf)
+
+    if s_len <= key_block:
+        s = scored(keys, stored, 0)
+        vals, idx = _top(s, k, method)
+        maxima = block_scores(s, s > -jnp.inf, block_max) if block_max else None
+        return idx.astype(jnp.int32), vals > -jnp.inf, maxima
+    n_blk = -(-s_len // key_block)
+    pad = n_blk * key_block - s_len
+    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
+    stored = jnp.pad(stored, ((0, 0), (0, pad)))  # padding is never stored
+    blocks = (jnp.moveaxis(keys.reshape(keys.shape[0], n_blk, key_block, -1), 1, 0),
+              jnp.moveaxis(stored.reshape(stored.shape[0], n_blk, key_block), 1, 0))
+    sd = softmax_dtype(q.dtype)
+    init = (jnp.full(q.shape[:2] + (k,), -jnp.inf, sd), jnp.zeros(q.shape[:2] + (k,), jnp.int32))
+
+    def merge(run, xs):
+        (keys_blk, stored_blk), j = xs
+        lo = j * key_block
+        s = scored(keys_blk, stored_blk, lo)
+        ids = jnp.broadcast_to(lo + jnp.arange(key_block, dtype=jnp.int32), s.shape)
+        vals, pos = _top(jnp.concatenate([run[0], s], -1), k, method)
+        ids = jnp.take_along_axis(jnp.concatenate([run[1], ids], -1), pos, axis=-1)
+        maxima = block_scores(s, s > -jnp.inf, block_max) if block_max else None
+        return (vals, ids), maxima
+
+    (vals, idx), maxima = jax.lax.scan(merge, init, (blocks, jnp.arange(n_blk, dtype=jnp.int32)))
+    if block_max:  # [n_blk, B, T, key_block / block_max] -> [B, T, ceil(S / block_max)]
+        maxima = jnp.moveaxis(maxima, 0, 2).reshape(q.shape[:2] + (-1,))
+        maxima = maxima[..., : -(-s_len // block_max)]
+    return idx, vals > -jnp.inf, maxima
 
 
 def selection_mask(idx, valid, n: int):
@@ -77,8 +133,9 @@ def selection_mask(idx, valid, n: int):
     return jnp.any(one_hot, axis=-2)
 
 
-def kl_loss(score, target_probs, mask):
-    """KL(target || softmax(score)) over masked entries, averaged over queries with any.
+def kl_terms(score, target_probs, mask):
+    """(Σ KL(target || softmax(score)), number of queries with any target mass) over the
+    masked entries; the loss is their ratio (``kl_loss``), so sums over query blocks combine.
 
     target_probs [B, T, S]: the main attention's probability on each entry, summed over heads
     (it is renormalised here and carries no gradient).
@@ -92,7 +149,13 @@ def kl_loss(score, target_probs, mask):
     logq = jnp.where(mask, logq, 0)
     logp = jnp.log(jnp.where(p > 0, p, 1))
     kl = jnp.sum(p * (logp - logq), axis=-1)
-    return jnp.sum(jnp.where(has, kl, 0)) / jnp.maximum(jnp.sum(has), 1)
+    return jnp.sum(jnp.where(has, kl, 0)), jnp.sum(has).astype(sd)
+
+
+def kl_loss(score, target_probs, mask):
+    """KL(target || softmax(score)) over masked entries, averaged over queries with any."""
+    total, count = kl_terms(score, target_probs, mask)
+    return total / jnp.maximum(count, 1)
 
 
 # -- hierarchical indexer (V4.1 decoder): a candidate pool of blocks ------------------------

@@ -1,13 +1,14 @@
 """The V4-family attention layer (swa, hca, csa, full, reindex, reuse), composed from parts
-(DESIGN §2; what each kind uses is the table in dsattn/plan.py):
+(docs/design.md, "Attention families"; what each kind uses is the table in dsattn/plan.py):
 
     query (own) + local window KV (own) + a global source + a selector + the shared core.
 
 The source (attention/sources.py) yields entries and search keys, own or borrowed; the
-selector (attention/selectors.py) picks which entries each query reads. Training runs the
-whole sequence with dense masks; cached execution keeps the window in a ring buffer, the
-compressor's open span as streaming state and complete entries in the paged global cache,
-and gathers only the selected entries. Both take a context and return the next one.
+selector (attention/selectors.py) picks which entries each query reads, and the core attends
+by query blocks, gathering only what each block reads. Training holds the whole sequence's
+entries; cached execution keeps the window in a ring buffer, the compressor's open span as
+streaming state and complete entries in the paged global cache. Both take a context and
+return the next one.
 """
 
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from flax import nnx
 from dsattn.attention import selectors, sources
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.core import SinkAttentionOutput
-from dsattn.attention.local import LocalKV, window_mask_dense
+from dsattn.attention.local import LocalKV, Window
 from dsattn.attention.query import Query
 from dsattn.cache import formats, ring
 from dsattn.plan import LayerSpec
@@ -43,18 +44,16 @@ class V4Attention(nnx.Module):
         q, qr = self.query(x, positions, self.theta)
         kv = formats.as_stored(self.local_fmt, self.local(x, positions, self.theta),
                                self.rope_dim, self.fake_quant)
-        parts = [(kv, window_mask_dense(positions, positions, self.window))]
         n = x.shape[1] // self.ratio if self.ratio else 0
-        score = None
+        read = target = None
         if n:
-            entries, keys, ctx = self.source(x, ctx, n)
-            mask, score, ctx = self.selector(qr, x, positions, self.theta, keys, n, step, ctx)
-            parts.insert(0, (entries, mask))
-        y, probs = self.core(q, parts, positions, self.theta)
-        if score is None:
-            return y, {}, ctx
-        target = probs[0].sum(axis=2)  # attention mass per entry, summed over heads
-        return y, {"indexer_loss": self.selector.loss(score, target, mask)}, ctx
+            store, ctx = self.source(x, ctx, n)
+            read, target, ctx = self.selector(store, qr, x, positions, self.theta, step, ctx,
+                                              "xla", self.dtype)
+        y, kl = self.core(q, positions, jnp.ones(positions.shape, bool),
+                          Window.of_sequence(kv, positions, self.window), read, self.theta,
+                          target)
+        return y, ({} if kl is None else {"indexer_loss": self.selector.loss(kl)}), ctx
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """The ring always; streaming state and pages only for layers that own entries."""
@@ -71,13 +70,13 @@ class V4Attention(nnx.Module):
         kv = self.local(x, positions, self.theta)
         keys, key_pos = ring.local_keys(cache["ring"], self.dtype, kv, positions, valid,
                                         self.window)
+        window = Window(keys, key_pos, lead=keys.shape[1] - x.shape[1], size=self.window)
         new = {"ring": ring.write(cache["ring"], kv, positions, valid)}
-        parts = [(keys, ring.window_mask(key_pos, positions, self.window))]
+        read = None
         if self.source is not None:
             g, own, ctx = self.source.extend(cache, x, positions, valid, ctx)
             new.update(own)
-            entries, ok, ctx = self.selector.extend(g, qr, x, positions, self.theta, ctx,
-                                                    self.dtype)
-            parts.insert(0, (entries, ok))
-        y, _ = self.core(q, parts, positions, self.theta)
+            read, _, ctx = self.selector(g, qr, x, positions, self.theta, None, ctx, None,
+                                         self.dtype)
+        y, _ = self.core(q, positions, valid, window, read, self.theta)
         return y, new, ctx

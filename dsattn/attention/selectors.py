@@ -1,30 +1,31 @@
-"""Which global items each query attends to (DESIGN §2): every visible one, the top-k of a
-lightning indexer (DSA, CSA, CSA2 full and reindex), or the selection an earlier layer made.
+"""Which global items each query attends to: every visible one, the top-k of a lightning
+indexer (DSA, CSA, CSA2 full and reindex), or the selection an earlier layer made.
 
-A selector is called with the query side (query latent, x, positions, RoPE base) and the
-items' search keys, and returns the attention mask over the items (training) or the items
-it read and which are real (cached), with the next context. Item `j` is visible at position
-`t` once complete: j < (t + 1) // stride (stride: the compression ratio, 1 for tokens).
+A selector is called with the layer's store of items (attention/reads.py: the sequence's
+items in training, the paged cache in cached execution, the same code for both) and the
+query side (query latent, x, positions, RoPE base), and returns what the queries read
+(`reads.Visible` or `reads.Picked`), the indexer's KL target if it has an indexer, and the
+next context. Item `j` is visible at position `t` once complete: j < (t + 1) // stride
+(stride: the compression ratio, 1 for tokens). Selection runs by query blocks, and the
+indexer scores its keys by key blocks with a running top-k (`indexer.top_k`): O(T·k) live.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention import indexer
+from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.context import Selection
-from dsattn.cache import paged
 from dsattn.plan import LayerSpec, Selector
+
+KERNELS = ("pallas_tpu", "pallas_gpu")
 
 
 def n_visible(positions, stride: int):
     """Complete items at each query position [B, T]."""
     return (positions + 1) // stride
-
-
-def _visible(positions, stride: int, n: int):
-    return jnp.arange(n) < n_visible(positions, stride)[..., None]  # [B, T, n]
 
 
 class AllEntries(nnx.Module):
@@ -33,24 +34,18 @@ class AllEntries(nnx.Module):
     def __init__(self, spec: LayerSpec):
         self.stride = spec.stride
 
-    def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
-        return _visible(positions, self.stride, n), None, ctx
-
-    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
-        entries, stored = paged.read_all(g, "entry", dtype)
-        mask = stored[:, None, :] & _visible(positions, self.stride, entries.shape[1])
-        return entries, mask, ctx
+    def __call__(self, store, q_latent, x, positions, theta, step, ctx, impl, dtype):
+        return reads.Visible(store, self.stride), None, ctx
 
 
 class ReusedSelection(nnx.Module):
     """V4.1 reuse: the latest full or reindex layer's selection, read from the context."""
 
-    def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
-        return ctx.selection, None, ctx
+    def __init__(self, spec: LayerSpec):
+        self.stride = spec.stride
 
-    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
-        entries, got = paged.gather(g, "entry", ctx.selection.idx, dtype)
-        return entries, ctx.selection.ok & got, ctx
+    def __call__(self, store, q_latent, x, positions, theta, step, ctx, impl, dtype):
+        return reads.Picked(store, ctx.selection, self.stride), None, ctx
 
 
 class IndexerSelector(nnx.Module):
@@ -64,67 +59,74 @@ class IndexerSelector(nnx.Module):
         self.stride, self.top_k, self.method = spec.stride, a.top_k, ix.topk_method
         self.loss_weight, self.warmup = ix.loss_weight, ix.dense_warmup_steps
         self.impl, self.interpret = indexer.resolve_impl(cfg), ix.interpret
+        self.query_block, self.key_block = a.query_block, ix.key_block
         self.pool_blocks = a.pool_blocks if spec.builds_pool else 0
         self.pool_block = a.pool_block_size
         self.reads_pool = spec.kind.reads_pool
         self.publishes = spec.kind.publishes_selection
 
-    def __call__(self, q_latent, x, positions, theta, keys, n, step, ctx):
-        """Training: (mask [B, T, n], indexer scores [B, T, n], next context)."""
-        visible = _visible(positions, self.stride, n)
+    def __call__(self, store, q_latent, x, positions, theta, step, ctx, impl, dtype):
+        """(`reads.Picked`, the KL target, next context). ``impl`` None: the configured
+        score implementation (cached execution); training passes "xla"."""
         iq, w = self.index_q(q_latent, x, positions, theta)
-        score = indexer.scores(iq, w, keys)
-        candidates = visible
-        if self.reads_pool and ctx.pool is not None:
-            candidates = visible & ctx.pool
-        mask = indexer.selection_mask(*indexer.select(score, candidates, self.top_k,
-                                                      self.method), n)
+        sel, ctx = self._select(store, jax.lax.stop_gradient(iq), jax.lax.stop_gradient(w),
+                                n_visible(positions, self.stride), ctx,
+                                self.impl if impl is None else impl, dtype)
         if self.warmup and step is not None:  # dense attention while the indexer warms up
-            mask = jnp.where(step < self.warmup, visible, mask)
-        if self.pool_blocks:
-            pool = indexer.candidate_pool(
-                indexer.block_scores(score, visible, self.pool_block),
-                n_visible(positions, self.stride), self.pool_block, self.pool_blocks)
-            ctx = ctx.replace(pool=indexer.selection_mask(*pool, n))
-        if self.publishes:
-            ctx = ctx.replace(selection=mask)
-        return mask, score, ctx
-
-    def loss(self, score, target, mask):
-        """The indexer's KL loss against the attention mass `target` [B, T, n] per item."""
-        return self.loss_weight * indexer.kl_loss(score, target, mask)
-
-    def _select(self, g, iq, w, n_vis, ctx, dtype):
-        if self.reads_pool and ctx.pool is not None:  # score only the pooled candidates
-            pool = ctx.pool
-            keys, got = paged.gather(g, "key", pool.idx, dtype)
-            pick, ok = indexer.select(indexer.gathered_scores(iq, w, keys), pool.ok & got,
-                                      self.top_k, self.method)
-            return Selection(jnp.take_along_axis(pool.idx, pick, axis=-1), ok), ctx
-        score = indexer.paged_scores(iq, w, g, n_vis, self.impl, self.interpret,
-                                     dtype, block_max=self.pool_block if self.pool_blocks
-                                     else None)
-        if self.pool_blocks:  # the pool ranks blocks by their maxima
-            score, maxima = score
-            ctx = ctx.replace(pool=Selection(*indexer.candidate_pool(
-                maxima, n_vis, self.pool_block, self.pool_blocks)))
-        return Selection(*indexer.select(score, score > -jnp.inf, self.top_k, self.method)), ctx
-
-    def extend(self, g, q_latent, x, positions, theta, ctx, dtype):
-        """Cached: (the selected items [B, T, k, width], which are real, next context)."""
-        iq, w = self.index_q(q_latent, x, positions, theta)
-        sel, ctx = self._select(g, iq, w, n_visible(positions, self.stride), ctx, dtype)
+            sel = sel.replace(dense=jnp.asarray(step) < self.warmup)
         if self.publishes:
             ctx = ctx.replace(selection=sel)
-        entries, got = paged.gather(g, "entry", sel.idx, dtype)
-        return entries, sel.ok & got, ctx
+        return reads.Picked(store, sel, self.stride), reads.KLTarget(iq, w), ctx
+
+    def loss(self, kl):
+        return self.loss_weight * kl
+
+    def _select(self, store, iq, w, n_vis, ctx, impl, dtype):
+        if self.reads_pool and ctx.pool is not None:  # score only the pooled candidates
+            def in_pool(start, blk):
+                pidx, pok, iq, w = blk
+                keys, got = store.gather("key", pidx, dtype)
+                pick, ok = indexer.select(indexer.gathered_scores(iq, w, keys), pok & got,
+                                          self.top_k, self.method)
+                return Selection(jnp.take_along_axis(pidx, pick, axis=-1), ok), ()
+
+            pool = ctx.pool
+            sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
+            return sel, ctx
+        block_max = self.pool_block if self.pool_blocks else None
+        if impl in KERNELS:  # the compiled score pass over the pages, a query block at a time
+            def scored(iq, w, nv):
+                out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
+                                           block_max=block_max)
+                score, maxima = out if block_max else (out, None)
+                return (*indexer.select(score, score > -jnp.inf, self.top_k, self.method),
+                        maxima)
+        else:
+            keys, stored = store.read_all("key", dtype)
+
+            def scored(iq, w, nv):
+                return indexer.top_k(iq, w, keys, stored, nv, self.top_k, self.key_block,
+                                     self.method, block_max)
+
+        def one(start, blk):
+            idx, ok, maxima = scored(*blk)
+            pool = None
+            if block_max:  # the pool ranks blocks by their maxima
+                pool = Selection(*indexer.candidate_pool(maxima, blk[2], self.pool_block,
+                                                         self.pool_blocks))
+            return (Selection(idx, ok), pool), ()
+
+        (sel, pool), _ = blocks.map_queries(one, self.query_block, (iq, w, n_vis))
+        if pool is not None:
+            ctx = ctx.replace(pool=pool)
+        return sel, ctx
 
 
 SELECTORS = {  # (cfg, spec, q_in, rngs) -> the selector, None: no global items
     Selector.NONE: lambda cfg, spec, q_in, rngs: None,
     Selector.ALL: lambda cfg, spec, q_in, rngs: AllEntries(spec),
     Selector.INDEXER: IndexerSelector,
-    Selector.REUSE: lambda cfg, spec, q_in, rngs: ReusedSelection(),
+    Selector.REUSE: lambda cfg, spec, q_in, rngs: ReusedSelection(spec),
 }
 
 

@@ -1,4 +1,4 @@
-"""Where a V4-family layer's global entries come from (DESIGN §2): its own compressor, or
+"""Where a V4-family layer's global entries come from (docs/design.md, "Attention families"): its own compressor, or
 the latest full layer's entries (borrowed).
 
 An own source compresses its input (a CED decoder full layer: the encoder's output) into
@@ -18,6 +18,7 @@ from flax.core import FrozenDict
 
 from dsattn.attention.compressor import Compressor
 from dsattn.attention.context import CachedContext, StackContext
+from dsattn.attention.reads import Entries
 from dsattn.cache import formats, paged
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
@@ -99,18 +100,19 @@ class OwnEntries(nnx.Module):
                                  f.rope, self.fake_quant)
 
     def __call__(self, x, ctx: StackContext, n: int):
-        """Training: (entries [B, n, c], search keys [B, n, d] or None, the next context)."""
+        """Training: (the items: entries [B, n, c] and search keys [B, n, d] if the kind has
+        them, as `reads.Entries`; the next context)."""
         src = self.source_norm(ctx.encoder_out) if self.source_norm is not None else x
         index = jnp.broadcast_to(jnp.arange(n), (x.shape[0], n))
         pre = self.compressor.block(src)
-        entries = self._stored("entry", self.compressor, pre, index, self.rope_dim)
-        keys = None
+        items = {"entry": self._stored("entry", self.compressor, pre, index, self.rope_dim)}
         if self.keys is not None:
             comp, kpre = self.keys.block(self.compressor, src, pre)
-            keys = self._stored("key", comp, kpre, index, self.key_rope)
+            items["key"] = self._stored("key", comp, kpre, index, self.key_rope)
+        store = Entries(items)
         if self.spec.kind.shares:
-            ctx = ctx.replace(entries=entries, keys=keys)
-        return entries, keys, ctx
+            ctx = ctx.replace(entries=store)
+        return store, ctx
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         cache = {"comp": self.compressor.init_state(batch),
@@ -147,7 +149,7 @@ class BorrowedEntries(nnx.Module):
     parameters and no cache of its own."""
 
     def __call__(self, x, ctx: StackContext, n: int):
-        return ctx.entries, ctx.keys, ctx
+        return ctx.entries, ctx
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         return {}

@@ -90,6 +90,14 @@ class PagedCache:
     def groups(self) -> int:
         return self.n_free.shape[-1] if self.n_free.ndim else 1
 
+    def gather(self, name: str, idx, dtype=jnp.float32):
+        """``gather`` as a method: the paged cache is one of the stores attention reads
+        (attention/reads.py)."""
+        return gather(self, name, idx, dtype)
+
+    def read_all(self, name: str, dtype=jnp.float32):
+        return read_all(self, name, dtype)
+
     @property
     def at(self) -> tuple:
         """The index prefix of this cache's pages in `pages` (its copy, if stacked)."""

@@ -114,6 +114,11 @@ def local_keys(ring: Ring, dtype, chunk_values, chunk_pos, chunk_valid, window: 
     every window that precedes the chunk; ``window`` <= W) and the chunk supplies the rest.
     Ring keys and chunk keys never share a position, since the chunk continues the row.
 
+    The ring's part comes in position order: index i < W holds position p0 - W + i (if
+    stored), p0 = the row's first chunk position, and index W + t the chunk's entry t. So a
+    query at chunk index t finds its window at indices (t + W - window, t + W], and a block
+    of queries a contiguous slice (``attention.local.Window``).
+
     Chunk keys go through the ring's ``decode(encode(.))``, i.e. they carry exactly the numbers
     the ring will hold after ``write``, so a query's result does not depend on how the
     sequence was chunked (or whether it is decoded token by token). For ``native`` this is
@@ -123,6 +128,10 @@ def local_keys(ring: Ring, dtype, chunk_values, chunk_pos, chunk_valid, window: 
     if window > w_slots:
         raise ValueError(f"window {window} exceeds the ring's {w_slots} slots")
     ring_vals, ring_pos = read(ring, dtype)
+    p0 = jnp.asarray(chunk_pos).astype(jnp.int32)[:, :1]
+    order = (p0 + jnp.arange(w_slots, dtype=jnp.int32)) % w_slots  # slot of p0 - W + i
+    ring_vals = jnp.take_along_axis(ring_vals, order[..., None], axis=1)
+    ring_pos = jnp.take_along_axis(ring_pos, order, axis=1)
     chunk_values = jnp.asarray(chunk_values)
     chunk_keys = formats.decode(ring.fmt, formats.encode(ring.fmt, chunk_values, ring.rope),
                                 dtype)
