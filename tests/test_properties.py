@@ -2,7 +2,8 @@
 
 1. prefill + decode_step logits == the teacher-forced forward's logits, for every row and
    step (ragged prompts, chunked prefill, bounded replay with R >= prompt, ring wrap-around,
-   many completed blocks, top-k below and above the visible count);
+   many completed blocks, top-k below and above the visible count, query and key blocks
+   that do not divide the sequence);
 2. the teacher-forced forward is causal: logits at positions <= t never depend on tokens
    after t.
 
@@ -39,31 +40,39 @@ TOL = 1e-9  # relative, float64 (logits are O(1), so also the absolute tolerance
 # Each preset's ablation knobs: override key -> values. The first value of each is the one the
 # quick search keeps unless its menu (QUICK) says otherwise.
 SCAN = {"model.scan_layers": [False, True]}  # 4-layer presets: one layer, then a scan over 3
+# Query blocks (attention/blocks.py) and the indexer's key blocks: larger than any T, not
+# dividing T, a few tokens.
+QBLOCK = {"attention.query_block": [512, 7, 32, 301]}
+KBLOCK = {"indexer.key_block": [4096, 5, 16]}
 KNOBS = {
-    "mha": {**SCAN},
-    "gqa": {},
+    "mha": {**SCAN, **QBLOCK},
+    "gqa": {**QBLOCK},
     "mqa": {},
-    "mla": {"cache.page_size": [16, 7], **SCAN},
-    "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7], **SCAN},
+    "mla": {"cache.page_size": [16, 7], **SCAN, **QBLOCK},
+    "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7], **SCAN, **QBLOCK,
+            **KBLOCK},
     "v4": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
            "attention.csa_ratio": [4, 2, 3], "attention.hca_ratio": [16, 8, 5],
-           "cache.page_size": [16, 7, 3]},
+           "cache.page_size": [16, 7, 3], **QBLOCK, **KBLOCK},
     "v41": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
             "attention.pool_blocks": [3, 0, 1, 8], "attention.pool_block_size": [4, 2, 8],
             "attention.sharing": [True, False], "attention.ced_split": [5, 0],
             "attention.ratio": [0, 2, 3],  # 0: the preset's per-layer ratios (2 and 1)
             "cache.page_size": [16, 7, 5],
-            **SCAN},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
+            **SCAN, **QBLOCK, **KBLOCK},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
 }
 # The quick search's configs: a few ablations per preset, each compiled once and shared by
 # that preset's examples.
 QUICK = {
-    "mha": [{}], "gqa": [{}], "mqa": [{}], "mla": [{"cache.page_size": 7}],
-    "dsa": [{"attention.top_k": 5, "cache.page_size": 7}],
+    "mha": [{"attention.query_block": 7}], "gqa": [{}], "mqa": [{}],
+    "mla": [{"cache.page_size": 7, "attention.query_block": 32}],
+    "dsa": [{"attention.top_k": 5, "cache.page_size": 7, "attention.query_block": 7,
+             "indexer.key_block": 16}],
     "v4": [{"attention.top_k": 3, "attention.window": 5, "attention.hca_ratio": 5,
-            "cache.page_size": 7}],
+            "cache.page_size": 7, "attention.query_block": 32, "indexer.key_block": 5}],
     "v41": [{}, {"attention.top_k": 3, "attention.pool_blocks": 8,
-                 "attention.pool_block_size": 2, "cache.page_size": 7}],
+                 "attention.pool_block_size": 2, "cache.page_size": 7,
+                 "attention.query_block": 7, "indexer.key_block": 5}],
 }
 PRESETS = list(KNOBS)
 

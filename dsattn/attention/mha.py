@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsattn.attention import blocks
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
 from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
@@ -20,6 +21,7 @@ class MHA(nnx.Module):
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.n_kv = a.n_kv_heads or a.n_heads
         self.theta = a.rope_theta
+        self.query_block = a.query_block
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
         std = m.init_std
@@ -55,11 +57,17 @@ class MHA(nnx.Module):
         return self.wo(o.reshape(b, tq, self.n_heads * self.head_dim))
 
     def __call__(self, x, positions, step=None, ctx=None):
-        """Teacher-forced causal attention over x [B, T, D]."""
+        """Teacher-forced causal attention over x [B, T, D], by query blocks against every
+        key (attention/blocks.py): O(T·query_block) scores live, as the V4 family's."""
         q, k, v = self._qkv(x, positions)
         k, v = (formats.as_stored(self.fmt, t, 0, self.fake_quant) for t in (k, v))
-        hm = lambda a: jnp.swapaxes(a, 1, 2)  # [B, G, T, d]
-        return self._attend(q, hm(k), hm(v), causal_mask(positions, positions)), {}, ctx
+        k, v = (jnp.swapaxes(a, 1, 2) for a in (k, v))  # [B, G, T, d]
+
+        def one(start, blk):
+            q_blk, pos = blk
+            return self._attend(q_blk, k, v, causal_mask(pos, positions)), ()
+
+        return blocks.map_queries(one, self.query_block, (q, positions))[0], {}, ctx
 
     # -- cached path ------------------------------------------------------------------
     # Head-major cache [B, G, L, d]: each head's keys are one contiguous [L, d] matrix, so
@@ -78,4 +86,9 @@ class MHA(nnx.Module):
         keys = contiguous.read(cache["k"], self.dtype)
         vals = contiguous.read(cache["v"], self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
-        return self._attend(q, keys, vals, causal_mask(positions, k_pos)), cache, ctx
+
+        def one(start, blk):  # a prefill chunk by query blocks; decode is one block
+            q_blk, pos = blk
+            return self._attend(q_blk, keys, vals, causal_mask(pos, k_pos)), ()
+
+        return blocks.map_queries(one, self.query_block, (q, positions))[0], cache, ctx

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, seed 001, REFERENCE.md §1.2).
+"""Multi-head latent attention (DeepSeek-V2/V3; the DeepSeek-V2 report, "Multi-Head Latent
+Attention").
 
 The cache keeps one latent C^KV (kv_lora_rank dims, RMS-normed) and one rotary key K^R
 (qk_rope_dim dims, shared by all heads) per token, stored together as one main-role vector
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsattn.attention import blocks
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
 from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
@@ -27,6 +29,7 @@ class MLA(nnx.Module):
         self.h, self.dc, self.dr = a.n_heads, a.kv_lora_rank, a.qk_rope_dim
         self.dn, self.dv = a.qk_nope_dim, a.v_head_dim
         self.theta = a.rope_theta
+        self.query_block = a.query_block
         self.scale = (self.dn + self.dr) ** -0.5
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
@@ -66,19 +69,24 @@ class MLA(nnx.Module):
         return w[..., : self.dn], w[..., self.dn:]  # W^UK [dc,H,dn], W^UV [dc,H,dv]
 
     # -- naive path --------------------------------------------------------------------
-    def naive_scores(self, q_nope, q_pe, lat):
+    def expand(self, lat):
+        """Per-head keys and values from latents [B, S, dc+dr]: (K^C [B,S,H,dn], the shared
+        K^R [B,S,dr], V [B,S,H,dv])."""
+        w_uk, w_uv = self._up()
+        c = lat[..., : self.dc]
+        return (jnp.einsum("bsc,chn->bshn", c, w_uk), lat[..., self.dc:],
+                jnp.einsum("bsc,chv->bshv", c, w_uv))
+
+    def naive_scores(self, q_nope, q_pe, lat, expanded=None):
         """Per-head scores [B, H, Tq, Tk] through expanded keys."""
-        w_uk, _ = self._up()
-        k_nope = jnp.einsum("bsc,chn->bshn", lat[..., : self.dc], w_uk)
+        k_nope, k_pe, _ = self.expand(lat) if expanded is None else expanded
         sd = softmax_dtype(q_nope.dtype)
         s = jnp.einsum("bqhn,bshn->bhqs", q_nope, k_nope, preferred_element_type=sd)
-        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, lat[..., self.dc:],
-                           preferred_element_type=sd)
+        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, k_pe, preferred_element_type=sd)
         return s * self.scale
 
-    def naive_output(self, p, lat):
-        _, w_uv = self._up()
-        v = jnp.einsum("bsc,chv->bshv", lat[..., : self.dc], w_uv)
+    def naive_output(self, p, lat, expanded=None):
+        v = (self.expand(lat) if expanded is None else expanded)[2]
         o = jnp.einsum("bhqs,bshv->bqhv", p.astype(v.dtype), v)
         return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
 
@@ -119,8 +127,14 @@ class MLA(nnx.Module):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
         lat = formats.as_stored(self.fmt, lat, self.dr, self.fake_quant)
-        p = masked_softmax(self.naive_scores(q_nope, q_pe, lat), causal_mask(positions, positions))
-        return self.naive_output(p, lat), {}, ctx
+        kv = self.expand(lat)  # once; each query block reads it (attention/blocks.py)
+
+        def one(start, blk):
+            qn, qp, pos = blk
+            p = masked_softmax(self.naive_scores(qn, qp, lat, kv), causal_mask(pos, positions))
+            return self.naive_output(p, lat, kv), ()
+
+        return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0], {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return {"latent": contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
@@ -132,5 +146,11 @@ class MLA(nnx.Module):
                                   valid)
         lat = contiguous.read(stored, self.dtype)
         k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
-        p = masked_softmax(self.absorbed_scores(q_nope, q_pe, lat), causal_mask(positions, k_pos))
-        return self.absorbed_output(p, lat), {"latent": stored}, ctx
+
+        def one(start, blk):  # a prefill chunk by query blocks; decode is one block
+            qn, qp, pos = blk
+            p = masked_softmax(self.absorbed_scores(qn, qp, lat), causal_mask(pos, k_pos))
+            return self.absorbed_output(p, lat), ()
+
+        out = blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
+        return out, {"latent": stored}, ctx

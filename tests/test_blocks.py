@@ -1,0 +1,129 @@
+"""Attention by query blocks (attention/blocks.py, reads.py) against the dense formulation.
+
+The training forward reads, per block of queries, a slice of the window and the gathered
+picks, and the indexer's top-k runs over key blocks with a running merge. These tests hold it
+to the dense path it replaced: [T, T] window masks, a [T, n] indexer score, a top-k over it
+and one softmax over [entries | window] (assembled here from the layer's own parts and the
+dense helpers), in float64 to 1e-12, with block sizes that do not divide T and blocks larger
+than T; and a whole model's loss and gradients for any block sizes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsattn import train
+from dsattn.attention import indexer
+from dsattn.attention.context import StackContext
+from dsattn.attention.core import attend
+from dsattn.cache import ring
+from dsattn.model import Transformer
+from dsattn.nn.rope import apply_rope_last
+from tests.helpers import preset
+
+T = 45
+
+
+def _dense_v4_layer(attn, x, positions):
+    """The V4 layer's training forward as dense masks: (output, indexer KL or None)."""
+    q, qr = attn.query(x, positions, attn.theta)
+    kv = attn.local(x, positions, attn.theta)
+    parts = [(kv, ring.window_mask(positions, positions, attn.window))]
+    n = x.shape[1] // attn.ratio
+    visible = jnp.arange(n) < ((positions + 1) // attn.ratio)[..., None]
+    store, _ = attn.source(x, StackContext(), n)
+    entries = store.fields["entry"]
+    score = None
+    if "key" in store.fields:  # csa: top-k of the dense [T, n] indexer score
+        iq, w = attn.selector.index_q(qr, x, positions, attn.theta)
+        score = indexer.scores(iq, w, store.fields["key"])
+        mask = indexer.selection_mask(*indexer.select(score, visible, attn.selector.top_k), n)
+    else:  # hca: every complete entry
+        mask = visible
+    parts.insert(0, (entries, mask))
+    o, probs = attend(q, parts, attn.core.sink[...])
+    o = apply_rope_last(o.astype(q.dtype), positions, attn.theta, attn.rope_dim, inverse=True)
+    kl = None if score is None else indexer.kl_loss(score, probs[0].sum(axis=2), mask)
+    return attn.core.out(o), kl
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("blocks", [(7, 5), (16, 3), (64, 4096)])
+def test_v4_layer_by_blocks_equals_the_dense_path(kind, blocks):
+    qb, kb = blocks
+    cfg = preset("v4", "model.dtype=float64", f"attention.layers={kind}", "model.n_layers=1",
+                 "attention.top_k=3", "attention.window=6", "attention.hca_ratio=4",
+                 f"attention.query_block={qb}", f"indexer.key_block={kb}",
+                 "model.scan_layers=false")
+    attn = Transformer(cfg, rngs=nnx.Rngs(3)).blocks[0].attn
+    x = jax.random.normal(jax.random.key(0), (2, T, cfg.model.d_model), jnp.float64)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    y, aux, _ = attn(x, positions)
+    want, kl = _dense_v4_layer(attn, x, positions)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+    if kl is not None:
+        np.testing.assert_allclose(aux["indexer_loss"], cfg.indexer.loss_weight * kl,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def _loss_and_grads(name, *overrides, step=None):
+    cfg = preset(name, "model.dtype=float64", *overrides)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    toks = jax.random.randint(jax.random.key(2), (2, T + 1), 0, cfg.model.vocab_size)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def f(params):
+        return train.loss_fn(nnx.merge(graphdef, params), batch, step)
+
+    (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return metrics, grads
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("v4", ()), ("v41", ()), ("dsa", ("attention.top_k=5",)), ("mla", ()), ("mha", ())])
+def test_loss_and_gradients_do_not_depend_on_block_sizes(name, extra):
+    one, g_one = _loss_and_grads(name, *extra)  # T < 512: a single block
+    blk, g_blk = _loss_and_grads(name, *extra, "attention.query_block=8",
+                                 "indexer.key_block=3")
+    for key in one:
+        np.testing.assert_allclose(blk[key], one[key], rtol=1e-12, atol=1e-12, err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
+                 g_blk, g_one)
+
+
+def test_dense_warmup_reads_every_complete_entry_by_blocks():
+    """While step < dense_warmup_steps the indexer layers attend to every visible entry; by
+    blocks as in one block, and differently from the sparse steps."""
+    warm, g_warm = _loss_and_grads("v4", "attention.top_k=2", step=0)
+    warm_blk, g_warm_blk = _loss_and_grads("v4", "attention.top_k=2", "attention.query_block=8",
+                                           "indexer.key_block=3", step=0)
+    sparse, _ = _loss_and_grads("v4", "attention.top_k=2", step=10_000)
+    np.testing.assert_allclose(warm_blk["loss"], warm["loss"], rtol=1e-12)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
+                 g_warm_blk, g_warm)
+    assert abs(float(warm["ce"]) - float(sparse["ce"])) > 1e-6
+
+
+def test_running_top_k_equals_one_top_k_with_ties():
+    """Key blocks merged by a running top-k pick what one top-k over every score picks, ties
+    to the lowest index (ReLU makes exact zeros common), with block maxima for the pool."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 9, 3, 8)))
+    w = jnp.asarray(rng.normal(size=(2, 9, 3)))
+    keys = jnp.asarray(rng.normal(size=(2, 50, 8)))
+    keys = keys.at[:, 10:30].set(keys[:, 5:6])  # many equal keys: tied scores
+    stored = jnp.arange(50) < jnp.asarray([[50], [41]])
+    n_vis = jnp.asarray(rng.integers(0, 51, size=(2, 9)))
+    visible = stored[:, None, :] & (jnp.arange(50) < n_vis[..., None])
+    score = indexer.scores(q, w, keys)
+    want_idx, want_ok = indexer.select(score, visible, 7)
+    want_max = indexer.block_scores(jnp.where(visible, score, -jnp.inf), visible, 4)
+    for key_block in (3, 8, 50, 64):
+        idx, ok, maxima = indexer.top_k(q, w, keys, stored, n_vis, 7, key_block, block_max=4)
+        np.testing.assert_array_equal(ok, want_ok)
+        np.testing.assert_array_equal(jnp.where(ok, idx, -1), jnp.where(want_ok, want_idx, -1))
+        np.testing.assert_array_equal(maxima, want_max)
