@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import yaml
 
 
@@ -47,6 +48,10 @@ class ModelConfig:
     # Run each repeated group of layers as one scan (plan.units): compiles in constant time
     # whatever the depth (docs/design.md, "Depth"); a layout, not a model change.
     scan_layers: bool = True
+    # Rematerialisation in the training step, around each block and the scan body: none,
+    # block (keep only each block's inputs), or a jax.checkpoint_policies name, e.g.
+    # dots_with_no_batch_dims_saveable. How the step runs, not what it computes.
+    remat: str = "none"
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,10 @@ def validate(cfg: Config) -> None:
     _above_zero(m.norm_eps, "model.norm_eps")
     _above_zero(m.init_std, "model.init_std")
     _choice(m.dtype, DTYPES, "model.dtype")
+    if m.remat not in ("none", "block") and not callable(
+            getattr(jax.checkpoint_policies, m.remat, None)):
+        raise ConfigError(f"model.remat: {m.remat!r} is not none, block or a "
+                          f"jax.checkpoint_policies name")
     fams = plan.families(cfg)
     indexed = any(s.kind.scans_keys for s in plan.resolve(cfg))
 

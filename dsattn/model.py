@@ -31,6 +31,15 @@ def make_attention(cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
     return ATTENTION[spec.kind.family](cfg, spec, rngs)
 
 
+def remat_policy(name: str):
+    """`model.remat` as a jax.checkpoint policy: None for none (no remat)."""
+    if name == "none":
+        return None
+    if name == "block":  # save nothing inside: recompute the block in the backward pass
+        return jax.checkpoint_policies.nothing_saveable
+    return getattr(jax.checkpoint_policies, name)
+
+
 def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
     """Raise if concrete tokens fall outside [0, vocab_size). Tracers pass unchecked."""
     if isinstance(tokens, jax.core.Tracer):
@@ -91,6 +100,7 @@ class ScannedBlocks(nnx.Module):
             return nnx.List([Block(cfg, spec, rngs) for spec in specs])
 
         self.copies = copies
+        self.remat = remat_policy(cfg.model.remat)
         self.layers = create(rngs)
         # The group's last layer that publishes its paged cache to later layers, if any.
         self.publisher = next(((q, s) for q, s in reversed(list(enumerate(specs)))
@@ -104,6 +114,8 @@ class ScannedBlocks(nnx.Module):
             st, x = stacked
             return step_fn(nnx.merge(graphdef, st), c, x)
 
+        if self.remat is not None:
+            body = jax.checkpoint(body, policy=self.remat, prevent_cse=False)
         return jax.lax.scan(body, carry, (state, xs))
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
@@ -178,10 +190,17 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = _rows(self.embedding(tokens))
         auxes, ctx = [], StackContext()
+        policy = remat_policy(self.cfg.model.remat)
+
+        def run(block, x, ctx):
+            return block(x, positions, step, ctx)
+
+        remat = nnx.remat(run, policy=policy) if policy is not None else run
         for unit, block in zip(self.units, self.blocks):
             if unit.start == self.cfg.attention.ced_split and unit.start:
                 ctx = StackContext(encoder_out=x)  # decoder: global KV from the encoder
-            x, aux, ctx = block(x, positions, step, ctx)
+            # a scanned group rematerialises its scan body itself
+            x, aux, ctx = (run if unit.scanned else remat)(block, x, ctx)
             auxes.extend(aux if unit.scanned else [aux])
         logits = self.embedding.logits(self.norm(x))
         return sharding.constrain(logits, ("batch", "seq", "vocab")), auxes

@@ -127,3 +127,16 @@ def test_running_top_k_equals_one_top_k_with_ties():
         np.testing.assert_array_equal(ok, want_ok)
         np.testing.assert_array_equal(jnp.where(ok, idx, -1), jnp.where(want_ok, want_idx, -1))
         np.testing.assert_array_equal(maxima, want_max)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots_with_no_batch_dims_saveable"])
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_remat_changes_no_number(remat, scan):
+    """model.remat recomputes blocks in the backward pass instead of keeping them: the same
+    loss and gradients (scanned groups and unrolled blocks)."""
+    base = ("attention.top_k=2", f"model.scan_layers={scan}", "attention.query_block=16")
+    want, g_want = _loss_and_grads("v4", *base, step=0)
+    got, g_got = _loss_and_grads("v4", *base, f"model.remat={remat}", step=0)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-12)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
+                 g_got, g_want)
