@@ -30,7 +30,6 @@ class DSA(MLA):
         ix, m = cfg.indexer, cfg.model
         dt = jnp.dtype(m.dtype)
         self.key_rope, self.page_size = ix.rope_dim, cfg.cache.page_size
-        self.query_block = cfg.attention.query_block
         self.fields = paged_fields(cfg, spec)  # "entry": [C^KV | K^R], "key": search key
         self.selector = IndexerSelector(cfg, spec, cfg.attention.q_lora_rank or m.d_model,
                                         rngs)
