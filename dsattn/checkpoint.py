@@ -15,8 +15,10 @@ restores onto another mesh shape or onto one device.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
+import re
 import shutil
 import time
 import warnings
@@ -29,7 +31,8 @@ import yaml
 
 from dsattn import config as config_lib
 from dsattn import plan
-from dsattn.errors import CheckpointCorrupt, CheckpointMismatch, RunDirLocked  # noqa: F401 (re-exported)
+from dsattn.errors import (CheckpointCorrupt, CheckpointMismatch,  # noqa: F401 (re-exported)
+                           CheckpointWriteError, RunDirLocked)
 
 # Sections that define the weights' shapes and meaning; `train`/`data` may change on resume.
 MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
@@ -209,21 +212,86 @@ def check_compatible(run_dir: Path, cfg) -> None:
 
 
 def manager(run_dir: Path, keep: int, *, writer: bool = False) -> ocp.CheckpointManager:
-    """The run's CheckpointManager. The writer (holding the run's lock) first removes the
-    unfinished `<step>.orbax-checkpoint-tmp*` directories of killed saves (orbax never lists
-    them); for a reader they may be a save in progress."""
+    """The run's CheckpointManager. The writer (holding the run's lock) first removes, with a
+    warning, the unfinished `<step>.orbax-checkpoint-tmp*` directories of killed or failed
+    saves (orbax never lists them, so they are never restored); for a reader they may be a
+    save in progress."""
     directory = (Path(run_dir) / "checkpoints").absolute()
     if writer:
-        for tmp in directory.glob("*.orbax-checkpoint-tmp*"):
-            shutil.rmtree(tmp)
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        for name in remove_unfinished(directory):
+            warnings.warn(f"{directory}: removed the unfinished checkpoint {name} of a killed "
+                          f"or failed save (never restored)", stacklevel=2)
+    # Directories made in the save call, not by a thread that could remake a failed save's
+    # after write_error removed them; the writes still run in the background.
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, async_options=(
+        ocp.AsyncOptions(create_directories_asynchronously=False)))
     return ocp.CheckpointManager(directory, options=opts)
+
+
+def remove_unfinished(directory, step: int | None = None) -> list[str]:
+    """Remove the `<step>.orbax-checkpoint-tmp*` directories in `directory` (of `step`, or
+    all): orbax writes a step there and renames it when complete. Returns the names of those
+    removed; one that cannot be removed is left (still never restored)."""
+    gone = []
+    for tmp in Path(directory).glob(f"{'*' if step is None else step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            gone.append(tmp.name)
+    return gone
 
 
 def save(mngr: ocp.CheckpointManager, step: int, **items) -> None:
     """Save named pytrees (e.g. params=..., opt_state=...) as one checkpoint step."""
     mngr.save(step, args=ocp.args.Composite(
         **{k: ocp.args.StandardSave(v) for k, v in items.items()}), force=True)
+
+
+# tensorstore's status codes for a storage failure (orbax's writes raise them as ValueError).
+_STORAGE_STATUS = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "DATA_LOSS", "UNAVAILABLE")
+
+
+def storage_failure(e: BaseException) -> str | None:
+    """What went wrong if `e` is the storage's failure (no space, no permission, an I/O
+    error): an OSError, or tensorstore's status error naming one, anywhere in its chain.
+    None for anything else: a bug, which keeps its traceback."""
+    while e is not None:
+        code = re.search(r"os_error_code='?(\d+)", str(e))
+        n = e.errno if isinstance(e, OSError) and e.errno else int(code[1]) if code else None
+        if n is not None:
+            return f"{os.strerror(n)} [{errno.errorcode.get(n, n)}]"
+        if isinstance(e, OSError) or str(e).startswith(_STORAGE_STATUS):
+            return _reason(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error(mngr: ocp.CheckpointManager, e: BaseException, what: str,
+                step: int | None = None) -> CheckpointWriteError | None:
+    """The error that ends training when writing `what` failed with `e` (in orbax's
+    foreground or background), naming the last complete checkpoint; None if `e` is not the
+    storage's failure. `step`: the checkpoint step that failed, whose unfinished files go.
+    `mngr` is closed: make a new one to save again."""
+    cause = storage_failure(e)
+    if cause is None:
+        return None
+    parts = [f"could not write {what}: {cause}"]
+    try:
+        mngr.close()  # orbax's threads of the failed save stop writing first
+    except Exception:  # noqa: BLE001 (the failure at hand is the one to report)
+        pass
+    if step is not None:
+        removed = remove_unfinished(mngr.directory, step)
+        left = [p.name for p in Path(mngr.directory).glob(f"{step}.orbax-checkpoint-tmp*")]
+        if left:
+            parts.append(f"its unfinished {left[0]} is never restored (a rerun removes it)")
+        elif removed:
+            parts.append("removed its unfinished files")
+    mngr.reload()  # what is on disk: orbax drops a failed step from its own list
+    last = mngr.latest_step()
+    parts.append(f"the last complete checkpoint is step {last}; rerun the same command to "
+                 f"resume from it" if last is not None else
+                 "no checkpoint is complete yet (a rerun starts over)")
+    return CheckpointWriteError("; ".join(parts))
 
 
 def _step_dir(mngr, step: int) -> Path:

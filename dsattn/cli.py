@@ -3,7 +3,7 @@
 A user's mistake ends a script with one line on stderr: a `DsattnError` (bad config value,
 mismatched checkpoint, exhausted cache, ...) or a missing file exits with status 1, a bad
 argument with status 2. Anything else is a bug and keeps its traceback. `--debug` (or
-DSATTN_DEBUG=1) keeps the traceback for user errors too.
+DSATTN_DEBUG=1) keeps the traceback for user errors too, and orbax's logged tracebacks.
 
     def main(argv=None):
         ap = cli.parser(__doc__, overrides=True)
@@ -17,6 +17,7 @@ DSATTN_DEBUG=1) keeps the traceback for user errors too.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -98,6 +99,12 @@ def run(main, argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args or os.environ.get("DSATTN_DEBUG", "") not in ("", "0")
     prog = os.path.basename(sys.argv[0]) or "dsattn"
+    if not debug:  # orbax's threads and event loops log a failed write (a full disk) with
+        # pages of traceback, once per array, before the error reaches main(): its one line
+        # below says it all
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(lambda record: record.exc_info is None)
+        sys.unraisablehook = _unraisable
     try:
         status = main(args)
     except USER_ERRORS as e:
@@ -111,6 +118,13 @@ def run(main, argv=None):
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def _unraisable(u) -> None:
+    """After a failed checkpoint write (a full disk), tensorstore's callbacks for the writes
+    still in flight find orbax's event loop closed: not news, the error says it all."""
+    if not (u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed"):
+        sys.__unraisablehook__(u)
 
 
 def _one_line(e: BaseException) -> str:

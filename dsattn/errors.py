@@ -33,3 +33,9 @@ class CheckpointCorrupt(DsattnError, RuntimeError):
 
 class RunDirLocked(DsattnError, RuntimeError):
     """Another live process is training into the run directory."""
+
+
+class CheckpointWriteError(DsattnError, OSError):
+    """A run's state could not be saved: a checkpoint (or the metrics.jsonl beside it) hit a
+    full disk, a missing permission or an I/O error, in orbax's foreground or background
+    commit. The message names the step, the cause and the last complete checkpoint."""

@@ -141,6 +141,7 @@ class Trainer:
                 self.step = step
                 self._warn_if_schedule_changed(saved)
             self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
+            self._in_flight = None  # the step orbax is committing in the background
             if self.primary:
                 self._cut_metrics()
                 checkpoint.save_config(self.run_dir, cfg)
@@ -251,14 +252,46 @@ class Trainer:
         return metrics
 
     def save(self):
-        checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
-        self._saved = self.step
+        """Save a checkpoint of `self.step`; orbax commits it in the background. A storage
+        failure, now or in the background, ends training with CheckpointWriteError."""
+        self._finish_saves()  # a failure of the save before is reported as that save's
+        with self._writing(f"the checkpoint of step {self.step} to {self.mngr.directory}",
+                           self.step):
+            checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
+        self._saved = self._in_flight = self.step
+
+    def _finish_saves(self):
+        """Wait for the checkpoint in flight to be committed."""
+        step, self._in_flight = self._in_flight, None
+        with self._writing(f"the checkpoint of step {step} to {self.mngr.directory}", step):
+            self.mngr.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, step: int | None = None):
+        """A storage failure (no space, permission, I/O) inside becomes one
+        CheckpointWriteError naming `what`, the cause and the last complete checkpoint;
+        anything else is a bug and goes through as it is."""
+        try:
+            yield
+        except Exception as e:
+            error = checkpoint.write_error(self.mngr, e, what, step)
+            if error is None:
+                raise
+            self.mngr = checkpoint.manager(self.run_dir, self.cfg.train.keep_checkpoints)
+            self._saved = self.mngr.latest_step()
+            raise error from e
 
     def _log(self, record: dict):
         if not self.primary:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._finish_saves()  # a failed checkpoint first: it names its own step
+            with self._writing(f"step {record['step']}'s record to {path}"):
+                raise e
 
     def _catch_signals(self, caught: list) -> dict:
         """SIGINT/SIGTERM append to `caught`; the loop stops after the step in flight. The
@@ -297,8 +330,10 @@ class Trainer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            self.mngr.wait_until_finished()
-            self.lock.release()
+            try:
+                self._finish_saves()
+            finally:
+                self.lock.release()
 
     def _run(self, target: int, caught: list) -> dict:
         t = self.cfg.train
@@ -324,7 +359,7 @@ class Trainer:
             step_s += time.perf_counter() - t0
             steps_timed += 1
             if not math.isfinite(loss):
-                self.mngr.wait_until_finished()
+                self._finish_saves()
                 where = (f"the last good checkpoint is step {self._saved} in "
                          f"{self.run_dir / 'checkpoints'}" if self._saved is not None
                          else "no checkpoint was saved yet")
@@ -349,13 +384,13 @@ class Trainer:
         if caught:
             if self.step > start and self._saved != self.step:
                 self.save()
-            self.mngr.wait_until_finished()
+            self._finish_saves()
             name = signal.Signals(caught[0]).name
             print(f"{name}: saved a checkpoint at step {self.step} in "
                   f"{self.run_dir / 'checkpoints'}; rerun the same command to resume",
                   file=sys.stderr, flush=True)
             raise KeyboardInterrupt if caught[0] == signal.SIGINT else SystemExit(128 + caught[0])
-        self.mngr.wait_until_finished()
+        self._finish_saves()
         return {"step": self.step, "val_loss": val if val is not None else
                 self.validation_loss(), "run_dir": str(self.run_dir)}
 

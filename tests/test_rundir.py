@@ -4,6 +4,7 @@ is taken over), metrics.jsonl holds each step once after a resume (with its lear
 time and compile-free throughput), and a changed schedule is reported. Signals and kills go to
 real `scripts/train.py` processes."""
 
+import errno
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, errors, train
+from dsattn import checkpoint, cli, errors, train
 from dsattn.model import Transformer
 from tests.helpers import ROOT, forward, preset
 
@@ -241,3 +243,112 @@ def test_runs_restore_across_scanned_and_unrolled_layouts(tmp_path, saved, loade
     tokens = np.random.RandomState(0).randint(0, 256, (2, 9))
     np.testing.assert_allclose(np.asarray(forward(restored, tokens)),
                                np.asarray(forward(model, tokens)), rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------- checkpoint write failures
+NO_SPACE = OSError(errno.ENOSPC, "No space left on device")
+
+
+def fail_commits(monkeypatch, threads=None):
+    """orbax's background commit (the rename of a finished `<step>.orbax-checkpoint-tmp`)
+    fails as on a full disk; the failing threads' names go to `threads`."""
+    from orbax.checkpoint._src.path import atomicity
+
+    async def full(tmp_dir, **kwargs):
+        if threads is not None:
+            threads.append(threading.current_thread().name)
+        raise NO_SPACE
+
+    monkeypatch.setattr(atomicity, "on_commit_callback", full)
+
+
+def test_failed_async_commit_names_step_cause_and_last_checkpoint_and_a_rerun_resumes(
+        run_dir, monkeypatch):
+    tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
+    threads = []
+    fail_commits(monkeypatch, threads)
+    with pytest.raises(errors.CheckpointWriteError,
+                       match=r"checkpoint of step 9 .*No space left on device \[ENOSPC\].*"
+                             r"removed its unfinished files.*last complete checkpoint is step 6"):
+        tr.run()
+    assert threads and threading.main_thread().name not in threads  # orbax's own thread
+    assert saved_steps(run_dir) == [3, 6]
+    assert not list((run_dir / "checkpoints").glob("*tmp*"))  # nothing half-written is left
+    monkeypatch.undo()
+    tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
+    assert tr.step == 6 and logged(run_dir) == list(range(1, 7))
+    tr.run()
+    assert saved_steps(run_dir) == [9, 12] and logged(run_dir) == list(range(1, 13))
+
+
+def test_failed_save_call_is_a_write_error_and_bugs_keep_theirs(run_dir, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    async def no_permission(self, directory, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(directory))
+
+    tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", no_permission)
+    with pytest.raises(errors.CheckpointWriteError,
+                       match=r"checkpoint of step 9 .*Permission denied \[EACCES\].*"
+                             r"last complete checkpoint is step 6"):
+        tr.run()
+    assert saved_steps(run_dir) == [3, 6] and not list(run_dir.glob("checkpoints/*tmp*"))
+
+    async def bug(self, directory, *args, **kwargs):
+        raise TypeError("not an array")
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", bug)
+    with pytest.raises(TypeError, match="not an array"):  # not the disk: not hidden
+        train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True).run()
+
+
+def test_leftover_unfinished_checkpoint_is_never_restored_and_resume_says_so(run_dir):
+    tmp = run_dir / "checkpoints" / "9.orbax-checkpoint-tmp-1234"
+    shutil.copytree(run_dir / "checkpoints" / "6", tmp)  # a save killed before its rename
+    shutil.copy(largest_file(tmp / "params"), tmp / "params" / "junk")
+    assert checkpoint.load_params(run_dir)[2] == 6  # readers never list it
+    assert tmp.exists()  # nor touch it: for a reader it may be a save in progress
+    with pytest.warns(UserWarning, match=r"removed the unfinished checkpoint "
+                                         r"9\.orbax-checkpoint-tmp-1234.*never restored"):
+        tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
+    assert tr.step == 6 and not tmp.exists()
+
+
+INJECT = """
+import errno, runpy, sys
+from orbax.checkpoint._src.path import atomicity
+
+async def full(tmp_dir, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+atomicity.on_commit_callback = full
+sys.argv = ["scripts/train.py", *sys.argv[1:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+"""
+
+
+def extend_args(run_dir):
+    return ["configs/tiny/gqa.yaml", *TINY, *BASE[1:], "train.steps=12", "--run-dir",
+            str(run_dir), "--quiet"]
+
+
+def test_train_script_ends_a_failed_save_with_one_line(run_dir):
+    # -W: the extended schedule's warning aside, stderr is the error's one line
+    p = subprocess.run([sys.executable, "-W", "ignore::UserWarning", "-c", INJECT,
+                        *extend_args(run_dir)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1, p.stderr[-3000:]
+    assert err[0].startswith("train.py: error: could not write the checkpoint of step 9"), err
+    assert "No space left on device" in err[0] and "last complete checkpoint is step 6" in err[0]
+
+
+def test_train_script_with_debug_shows_a_failed_saves_traceback(run_dir, monkeypatch):
+    from scripts import train as train_script
+
+    fail_commits(monkeypatch)
+    with pytest.raises(errors.CheckpointWriteError) as e:  # through cli.run: its traceback
+        cli.run(train_script.main, [*extend_args(run_dir), "--debug"])
+    assert isinstance(e.value.__cause__, OSError)
