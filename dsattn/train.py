@@ -37,12 +37,16 @@ from tqdm import tqdm
 
 from dsattn import checkpoint, data, sharding
 from dsattn.config import Config
-from dsattn.errors import NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
+from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
 
 
 # train.* keys that shape the learning-rate schedule.
 SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+# Keys that decide the batch each step draws (data.batch_at, from the corpus's training
+# split): resumed with others, a run no longer continues as an uninterrupted one would.
+DATA_ORDER_KEYS = (("train", "batch_size"), ("train", "seq_len"), ("train", "seed"),
+                   ("data", "source"), ("data", "val_fraction"), ("data", "max_bytes"))
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:
@@ -101,7 +105,11 @@ class Trainer:
     Resuming with other schedule values (train.steps, warmup_steps, lr, min_lr_ratio) than the
     run directory's config.yaml, e.g. extending a finished run, warns naming old and new values
     and the learning rate's jump at the resume step: the schedule is rebuilt for the new
-    values, not kept.
+    values, not kept. Resuming with other DATA_ORDER_KEYS values (batch size, sequence length,
+    seed, data source or split) warns naming them and appends a record to metrics.jsonl,
+    {"step", "time", "exact_resume": false, "changed": {key: [old, new]}}: the run no longer
+    continues as an uninterrupted one would (config.yaml keeps only the new values). With
+    `strict=True` such a resume raises ConfigError instead, before anything is written.
 
     metrics.jsonl gets a record every train.log_every steps and at each validation: the step's
     metrics, its learning rate `lr`, `time` (Unix seconds) and `tokens_per_s`, the rate of the
@@ -109,7 +117,7 @@ class Trainer:
     time; no validation or checkpoint time either).
     """
 
-    def __init__(self, cfg: Config, run_dir, *, quiet: bool = False):
+    def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
         mesh = sharding.make_mesh(cfg)
         self.mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
@@ -140,10 +148,14 @@ class Trainer:
                     self.opt_state = jax.device_put(self.opt_state, self.opt_shardings)
                 self.step = step
                 self._warn_if_schedule_changed(saved)
+            changed = self._data_order_changes(saved, strict) if step is not None else {}
             self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
             self._in_flight = None  # the step orbax is committing in the background
             if self.primary:
                 self._cut_metrics()
+                if changed:
+                    self._log({"step": self.step, "time": time.time(), "exact_resume": False,
+                               "changed": changed})
                 checkpoint.save_config(self.run_dir, cfg)
         finally:
             self.lock.release()  # until run(): an idle Trainer does not block the directory
@@ -199,6 +211,26 @@ class Trainer:
             + f": the learning-rate schedule is rebuilt for the new values, so the rate at step "
             f"{self.step} jumps from {float(before(self.step)):.3g} to "
             f"{float(self.schedule(self.step)):.3g}", stacklevel=3)
+
+    def _data_order_changes(self, saved: dict | None, strict: bool) -> dict:
+        """{key: [old, new]} of the DATA_ORDER_KEYS this resume changes, after a warning;
+        ConfigError instead if `strict`."""
+        now = self.cfg.to_dict()
+        changed = {f"{sec}.{key}": [(saved or {})[sec][key], now[sec][key]]
+                   for sec, key in DATA_ORDER_KEYS
+                   if key in (saved or {}).get(sec, {}) and saved[sec][key] != now[sec][key]}
+        if not changed:
+            return {}
+        what = (f"resuming at step {self.step} with "
+                + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+        if strict:
+            raise ConfigError(f"{self.run_dir}: --strict refuses {what}: the steps from here "
+                              f"would train on other batches than the run's; resume with its "
+                              f"values (config.yaml) or without --strict")
+        warnings.warn(f"{self.run_dir}: {what}: the steps from here train on other batches, "
+                      f"not the batches an uninterrupted run would have seen (recorded in "
+                      f"metrics.jsonl as exact_resume: false)", stacklevel=3)
+        return changed
 
     def _cut_metrics(self):
         """Drop records past the restored step: the rerun logs those steps again."""
@@ -405,5 +437,6 @@ class _NoLock:
         pass
 
 
-def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False) -> dict:
-    return Trainer(cfg, run_dir, quiet=quiet).run(steps)
+def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,
+          strict: bool = False) -> dict:
+    return Trainer(cfg, run_dir, quiet=quiet, strict=strict).run(steps)

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Train a preset on its data (default: the embedded stdlib corpus).
 
-    python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet]
+    python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet] [--strict]
 
 Rerunning the same command resumes from the run directory's latest checkpoint. The run
 directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
+A resume with another batch size, sequence length, seed or data warns and is recorded in
+metrics.jsonl (exact_resume: false); --strict refuses it.
 
 Several devices: mesh overrides, e.g. `mesh.data=4 mesh.tensor=2` (-1: the rest). Several
 hosts: run the same command on each; with JAX_COORDINATOR_ADDRESS (plus JAX_NUM_PROCESSES
@@ -24,11 +26,14 @@ def main(argv=None):
     ap.add_argument("config", help="YAML preset, e.g. configs/tiny/mla.yaml")
     ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--strict", action="store_true",
+                    help="refuse to resume with another batch size, sequence length, seed or "
+                         "data (the steps would train on other batches than the run's)")
     args = cli.parse(ap, argv)
     sharding.initialize_distributed()  # before jax touches a device
     cfg = config.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    out = train.train(cfg, run_dir, quiet=args.quiet)
+    out = train.train(cfg, run_dir, quiet=args.quiet, strict=args.strict)
     print(f"step {out['step']}: validation loss {out['val_loss']:.4f} nats/token "
           f"(run directory {run_dir})")
     return out

@@ -184,6 +184,37 @@ def test_extending_a_run_warns_that_the_schedule_is_reshaped(run_dir):
         train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
 
 
+def test_resume_with_another_data_order_warns_and_is_recorded_strict_refuses(run_dir, tmp_path,
+                                                                             capsys):
+    (tmp_path / "notes.txt").write_text("some other text to train on. " * 400)
+    other = (*BASE, "train.seed=1", "train.batch_size=3", f"data.source={tmp_path}/notes.txt")
+    before = (run_dir / "config.yaml").read_text(), records(run_dir)
+    with pytest.raises(errors.ConfigError, match=r"--strict.* train\.batch_size 2 -> 3, "
+                                                 r"train\.seed 0 -> 1, data\.source stdlib -> "):
+        train.Trainer(cfg(*other), run_dir, quiet=True, strict=True)
+    assert ((run_dir / "config.yaml").read_text(), records(run_dir)) == before  # untouched
+    from scripts import train as train_script
+
+    with pytest.raises(SystemExit) as e:  # the script's --strict: one line
+        cli.run(train_script.main, ["configs/tiny/gqa.yaml", *TINY, *other, "--strict",
+                                    "--run-dir", str(run_dir), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "train.seed 0 -> 1" in err[0], err
+
+    with pytest.warns(UserWarning, match=r"resuming at step 6 with train\.batch_size 2 -> 3, "
+                                         r"train\.seed 0 -> 1, data\.source stdlib -> .*notes"
+                                         r"\.txt: .*not the batches"):
+        train.Trainer(cfg(*other), run_dir, quiet=True)
+    mark = records(run_dir)[-1]  # what the run records, since config.yaml now has the new ones
+    assert mark["step"] == 6 and mark["exact_resume"] is False
+    assert mark["changed"] == {"train.batch_size": [2, 3], "train.seed": [0, 1],
+                               "data.source": ["stdlib", f"{tmp_path}/notes.txt"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same keys again: nothing new to say
+        train.Trainer(cfg(*other), run_dir, quiet=True, strict=True)
+    assert records(run_dir)[-1] == mark
+
+
 def test_records_carry_lr_and_time_and_throughput_without_compile(trained):
     rows = records(trained)
     lr, warmup, steps, floor = 3e-3, 2, 6, 0.1  # gqa's lr and min_lr_ratio, BASE's schedule
