@@ -36,10 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from tqdm import tqdm
 
 from dsattn import config as config_lib
-from dsattn import kvbytes, plan, recall
+from dsattn import kvbytes, plan, progress, recall
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
@@ -285,7 +284,8 @@ def _tokens_per_s(run_dir: Path):
     return float(np.median(rates)) if rates else None
 
 
-def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False) -> dict:
+def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False,
+            progress_every: int | None = None) -> dict:
     """Train (or resume) one run and measure it."""
     import jax
 
@@ -294,7 +294,7 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
 
     start = time.perf_counter()
     cfg = sweep.config(row, seed)
-    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    trainer = Trainer(cfg, run_dir, quiet=quiet, progress_every=progress_every)
     if trainer.step < cfg.train.steps:
         val_loss = trainer.run()["val_loss"]
     else:  # trained to the end before a kill took the measurements
@@ -375,8 +375,13 @@ def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
     os.replace(tmp, out / "results.csv")
 
 
-def run(sweep, overrides=(), out=None, quiet: bool = False) -> list[dict]:
-    """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results."""
+def run(sweep, overrides=(), out=None, quiet: bool = False,
+        progress_every: int | None = None) -> list[dict]:
+    """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results.
+
+    Progress (dsattn.progress): on a terminal a bar over the runs and one over each run's
+    steps; elsewhere a line per finished run with the sweep's ETA, and a run's own lines only
+    with `progress_every` (every N steps)."""
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
     _check_finished(sweep)
@@ -386,23 +391,30 @@ def run(sweep, overrides=(), out=None, quiet: bool = False) -> list[dict]:
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
     probes = _probes(sweep, cfg0)
     results = []
-    jobs = [(row, seed) for row in sweep.rows for seed in sweep.seeds]
-    bar = tqdm(jobs, desc=f"sweep {sweep.name}", unit="run", disable=quiet, position=0)
-    for row, seed in bar:
-        bar.set_postfix_str(f"{row.name} seed {seed}")
-        run_dir = sweep.out / "runs" / row.name / f"seed{seed}"
+    jobs = [(row, seed, sweep.out / "runs" / row.name / f"seed{seed}")
+            for row in sweep.rows for seed in sweep.seeds]
+    finished = sum((run_dir / "result.json").exists() for _, _, run_dir in jobs)
+    bar = progress.Progress(len(jobs), initial=finished, desc=f"sweep {sweep.name}",
+                            unit="run", every=1, quiet=quiet)  # ETA from the runs trained now
+    quiet_runs = quiet or (bar.plain and progress_every is None)  # off a terminal: a line a run
+    for row, seed, run_dir in jobs:
         done = run_dir / "result.json"
         if done.exists():
             result = json.loads(done.read_text())
         else:
+            bar.note(f"{row.name} seed {seed}")
             try:
-                result = run_one(sweep, row, seed, run_dir, probes, quiet=quiet)
+                result = run_one(sweep, row, seed, run_dir, probes, quiet=quiet_runs,
+                                 progress_every=progress_every)
                 result["fingerprint"] = fingerprint(sweep, row, seed)
                 _write_json(done, result)
             except DsattnError as e:  # e.g. a NaN loss: recorded, retried on the next rerun
                 result = {"row": row.name, "seed": seed, "error": str(e)}
+            bar.update(fields={"row": row.name, "seed": seed, "val_loss": (
+                f"{result['val_loss']:.4f}" if "val_loss" in result else "FAILED")})
         results.append(result)
         write_results(sweep.out, sweep.name, results)
+    bar.close()
     plots(sweep.out, results)
     return results
 

@@ -83,6 +83,15 @@ def nonnegative_int(text: str) -> int:
     return n
 
 
+def progress_option(ap: Parser, unit: str = "steps", default: str | None = None) -> None:
+    """--progress-every N (dsattn.progress): the plain progress lines' interval off a
+    terminal."""
+    ap.add_argument("--progress-every", type=positive_int, default=None, metavar="N",
+                    help=f"off a terminal (a log file, CI, a pipe): a progress line every N "
+                         f"{unit} (default: {default or 'a tenth of them, at most 50 apart'}); "
+                         f"on a terminal a progress bar")
+
+
 def int_list(text: str) -> list[int]:
     """'128,512' -> [128, 512] (each >= 1)."""
     try:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn import data
+from dsattn import data, progress
 from dsattn.errors import InputError
 from dsattn.train import token_nll
 
@@ -36,9 +36,10 @@ def _sum_nll(graphdef, state, inputs, targets):
 _sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)
 
 
-def mean_loss(model, batches) -> float:
+def mean_loss(model, batches, done=None) -> float:
     """Mean next-token cross-entropy (nats per token) of `model` over `batches`
-    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape."""
+    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape. `done()`, if
+    given, is called after each batch."""
     graphdef, state = nnx.split(model)
     state = nnx.to_pure_dict(state)
     total, count = 0.0, 0
@@ -46,6 +47,8 @@ def mean_loss(model, batches) -> float:
         total += float(_sum_nll_jit(graphdef, state, jnp.asarray(b["inputs"]),
                                     jnp.asarray(b["targets"])))
         count += b["targets"].size
+        if done is not None:
+            done()
     return total / count
 
 
@@ -58,25 +61,30 @@ def check_lengths(corpus, seq_lens) -> None:
 
 
 def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
-             batch_size: int | None = None, corpus=None) -> list[dict]:
+             batch_size: int | None = None, corpus=None, quiet: bool = True,
+             progress_every: int | None = None) -> list[dict]:
     """One row per sequence length: nats and bits per token of the validation split of
     cfg.data.source (or the given corpus). Batches default to the run's validation setting
-    (train.eval_batches of train.batch_size)."""
+    (train.eval_batches of train.batch_size). Unless `quiet`, shows progress over all the
+    batches (dsattn.progress)."""
     t = cfg.train
     n_batches = n_batches or t.eval_batches
     batch_size = batch_size or t.batch_size
     corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
     byte_level = is_byte_level(cfg.data.source)
     check_lengths(corpus, seq_lens)
+    bar = progress.Progress(len(seq_lens) * n_batches, desc=f"eval {cfg.name}", unit="batch",
+                            every=progress_every, quiet=quiet)
     rows = []
     for n in seq_lens:
         batches = data.eval_batches(corpus.val, n_batches, batch_size, n, seed=t.seed)
-        nats = mean_loss(model, batches)
+        nats = mean_loss(model, batches, lambda: bar.update(fields={"seq_len": n}))
         bits = nats / math.log(2)
         rows.append({"seq_len": n, "tokens": n_batches * batch_size * n,
                      "nats_per_token": nats, "bits_per_token": bits,
                      "bits_per_byte": bits if byte_level else None,
                      "trained_seq_len": t.seq_len})
+    bar.close()
     return rows
 
 

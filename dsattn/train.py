@@ -33,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
-from dsattn import checkpoint, data, sharding
+from dsattn import checkpoint, data, progress, sharding
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -117,8 +116,10 @@ class Trainer:
     time; no validation or checkpoint time either).
     """
 
-    def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False):
+    def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
+                 progress_every: int | None = None):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
+        self.progress_every = progress_every  # off a terminal: a line every N steps
         mesh = sharding.make_mesh(cfg)
         self.mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         self.primary = jax.process_index() == 0  # the process that writes the run's files
@@ -377,8 +378,8 @@ class Trainer:
                 self._compiled_step = self._train_step.lower(
                     self.params, self.opt_state, self._batch(batch),
                     jnp.int32(self.step)).compile()
-        bar = tqdm(total=target, initial=self.step, disable=self.quiet, unit="step",
-                   dynamic_ncols=True)
+        bar = progress.Progress(target, initial=self.step, desc=f"train {self.cfg.name}",
+                                every=self.progress_every, quiet=self.quiet)
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
@@ -409,9 +410,9 @@ class Trainer:
                 step_s, steps_timed = 0.0, 0
             if self.step % t.ckpt_every == 0 or self.step == target:
                 self.save()
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val else "-",
-                            tok_s=f"{tok_s:,.0f}")
-            bar.update(1)
+            bar.update(fields={"loss": f"{loss:.3f}",
+                               "val": f"{val:.3f}" if val is not None else "-",
+                               "tok/s": f"{tok_s:,.0f}"})
         bar.close()
         if caught:
             if self.step > start and self._saved != self.step:
@@ -438,5 +439,6 @@ class _NoLock:
 
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,
-          strict: bool = False) -> dict:
-    return Trainer(cfg, run_dir, quiet=quiet, strict=strict).run(steps)
+          strict: bool = False, progress_every: int | None = None) -> dict:
+    return Trainer(cfg, run_dir, quiet=quiet, strict=strict,
+                   progress_every=progress_every).run(steps)

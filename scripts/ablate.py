@@ -24,6 +24,8 @@ def main(argv=None):
     ap.add_argument("--report", metavar="SWEEP_DIR", help="redraw plots and table, no training")
     ap.add_argument("--out", help="sweep directory (default runs/ablations/<name>)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    cli.progress_option(ap, "steps of each run",
+                        "none: off a terminal, one line per finished run")
     args = cli.parse(ap, argv)
     if bool(args.report) == bool(args.sweep):
         ap.error("give a sweep file or --report SWEEP_DIR")
@@ -32,7 +34,7 @@ def main(argv=None):
         print(f"plots redrawn in {args.report}")
         return None
     sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
-    results = ablate.run(sweep, quiet=args.quiet)
+    results = ablate.run(sweep, quiet=args.quiet, progress_every=args.progress_every)
     print(ablate.table(results))
     print(f"results and plots in {sweep.out}")
     return results

@@ -80,6 +80,7 @@ def main(argv=None):
                     help="run directory (default: runs/demo-<config name>)")
     ap.add_argument("--max-new", type=cli.positive_int, default=160,
                     help="sample length in tokens (default 160)")
+    cli.progress_option(ap)
     args = cli.parse(ap, argv)
     cfg = config.load(args.config, list(DEMO_BUDGET) + args.overrides)
     run_dir = args.run_dir or Path(f"runs/demo-{cfg.name}")
@@ -93,7 +94,7 @@ def main(argv=None):
           f"{', '.join(cfg.attention.layers)}), {t.steps} steps of {t.batch_size}x{t.seq_len} "
           f"tokens in {run_dir}" + (f", resuming from step {start}" if start else ""))
     t0 = time.perf_counter()
-    out = train.train(cfg, run_dir)
+    out = train.train(cfg, run_dir, progress_every=args.progress_every)
     wall = time.perf_counter() - t0
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
     h = data.unigram_entropy(corpus.val, cfg.model.vocab_size)

@@ -2,7 +2,7 @@
 """Held-out loss of a trained run at chosen context lengths, longer than training included.
 
     python scripts/eval.py RUN_DIR [--seq-len 128,512] [--step S] [--data SOURCE]
-        [--batches N] [--batch-size B] [--json FILE] [KEY=VALUE ...]
+        [--batches N] [--batch-size B] [--json FILE] [--quiet] [KEY=VALUE ...]
 
 Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint and prints, per length, the
 mean next-token cross-entropy over fixed validation batches in nats per token and bits per
@@ -39,6 +39,8 @@ def parser():
                     help="sequences per batch (default: the run's train.batch_size)")
     ap.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="also write the rows as JSON to FILE")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar or lines")
+    cli.progress_option(ap, "batches")
     return ap
 
 
@@ -54,7 +56,8 @@ def main(argv=None):
     evaluate.check_lengths(corpus, lens)  # before the (slow) checkpoint restore
     model, cfg, step = cli.load_run(args.run_dir, args.step, overrides)
     rows = evaluate.evaluate(model, cfg, lens, n_batches=args.batches,
-                             batch_size=args.batch_size, corpus=corpus)
+                             batch_size=args.batch_size, corpus=corpus, quiet=args.quiet,
+                             progress_every=args.progress_every)
     print(f"{args.run_dir} (step {step}), validation split of {cfg.data.source}; "
           f"trained at seq_len {cfg.train.seq_len}")
     print(f"{'seq_len':>8} {'tokens':>9} {'nats/token':>11} {'bits/byte':>10}")

@@ -29,11 +29,13 @@ def main(argv=None):
     ap.add_argument("--strict", action="store_true",
                     help="refuse to resume with another batch size, sequence length, seed or "
                          "data (the steps would train on other batches than the run's)")
+    cli.progress_option(ap)
     args = cli.parse(ap, argv)
     sharding.initialize_distributed()  # before jax touches a device
     cfg = config.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    out = train.train(cfg, run_dir, quiet=args.quiet, strict=args.strict)
+    out = train.train(cfg, run_dir, quiet=args.quiet, strict=args.strict,
+                      progress_every=args.progress_every)
     print(f"step {out['step']}: validation loss {out['val_loss']:.4f} nats/token "
           f"(run directory {run_dir})")
     return out

@@ -99,16 +99,27 @@ def test_pareto_front():
     assert ablate.pareto(pts) == [5, 0, 1, 3]
 
 
-def test_toy_sweep_runs_resumes_and_reports(tmp_path):
+def progress_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "\r" not in err  # off a terminal: lines, no bars
+    return [line for line in err.splitlines() if line.startswith("sweep toy:")]
+
+
+def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     out = tmp_path / "sweep"
     path = _write(tmp_path, rows=[{"name": "mha", "overrides": []},
                                   {"name": "mqa", "overrides": {"attention.n_kv_heads": 1}}],
                   seeds=[0, 1], full_size=V4_FLASH, recall={"distances": [8, 40],
                                                             "per_distance": 2},
                   decode_context=0)
-    results = ablate.run(path, out=out, quiet=True)
+    results = ablate.run(path, out=out)
     assert [(r["row"], r["seed"]) for r in results] == [
         ("mha", 0), ("mha", 1), ("mqa", 0), ("mqa", 1)]
+    lines = progress_lines(capsys)  # one line per finished run, with the sweep's ETA
+    assert [line.split(";")[0] for line in lines] == [
+        f"sweep toy: run {i + 1}/4 ({25 * (i + 1)}%) row {r['row']} seed {r['seed']} "
+        f"val_loss {r['val_loss']:.4f}" for i, r in enumerate(results)]
+    assert all(" elapsed, ETA " in line for line in lines)
     saved = json.loads((out / "results.json").read_text())["runs"]
     assert saved == json.loads(json.dumps(results))
     with open(out / "results.csv") as f:
@@ -134,7 +145,8 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path):
     (last / "result.json").unlink()
     shutil.rmtree(last / "checkpoints" / "4")
     finished = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/result.json")}
-    again = ablate.run(path, out=out, quiet=True)
+    again = ablate.run(path, out=out)
+    assert [line.split()[3] for line in progress_lines(capsys)] == ["4/4"]  # 3 were done
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # skipped, not redone
     assert again[:3] == json.loads(json.dumps(results[:3]))
     resumed = [json.loads(x)["step"] for x in (last / "metrics.jsonl").read_text().splitlines()]

@@ -146,6 +146,16 @@ def test_eval_matches_hand_computed_cross_entropy(run_dir, tmp_path):
     assert rows[16]["nats_per_token"] == pytest.approx(logged[-1]["val_loss"], rel=1e-5)
 
 
+def test_eval_progress_off_a_terminal_is_plain_lines(run_dir, capsys):
+    from scripts import eval as eval_script
+
+    eval_script.main([str(run_dir), "--seq-len", "16,32", "--progress-every", "1"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("eval ")]
+    assert "\r" not in err and [line.split(";")[0].split(": ")[1] for line in lines] == [
+        "batch 1/2 (50%) seq_len 16", "batch 2/2 (100%) seq_len 32"], err
+
+
 # ----------------------------------------------------------------- 4. kv_report.py
 def test_kv_report_run_dirs_and_ratio_precision(run_dir, tmp_path):
     # MHA stores 2 * kv heads * head_dim * 4 B (float32) per layer: 224 and 160 B per token.
