@@ -13,7 +13,10 @@ per vector follow seed 000 and REFERENCE.md §4:
     fp4_ue8m0            w/2 (E2M1 packed) + one UE8M0 per 32                   (68 at 128)
     fp4_e4m3             w/2 (E2M1 packed) + one E4M3 per 16                    (288 at 512)
 
-Stored arrays (``encode`` output; leading dims are whatever the input had):
+Stored arrays (``encode`` output; leading dims are whatever the input had). Floats narrower
+than 32 bits are kept as unsigned integers of their width holding the same bytes (bf16 as
+uint16, e4m3/e8m0 as uint8; ``as_floats`` views them as floats; ``native`` keeps the compute
+dtype), so caches scatter and gather them as integers:
 
     native               {"v": x}
     bf16                 {"v": bf16 [..., w]}
@@ -278,17 +281,44 @@ def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
     x = jnp.asarray(x)
     w = x.shape[-1]
     check_width(fmt, w, rope, "encode")
-    if fmt == "native":
+    if fmt == "native":  # the compute dtype as it is (its bits would not say which float)
         return {"v": x}
     x = x.astype(jnp.float32)  # float64 inputs are handled exactly like their float32 rounding
     if fmt == "bf16":
-        return {"v": x.astype(jnp.bfloat16)}
+        return {"v": _as_bits(x.astype(jnp.bfloat16))}
     out = {}
     body = x
     if sp.needs_rope_split:
         body = x[..., : w - rope]
         out["rope"] = x[..., w - rope:].astype(jnp.bfloat16)
     out.update(_quantize(sp, body))
+    return {k: _as_bits(v) for k, v in out.items()}
+
+
+def _as_bits(a):
+    """Floats narrower than 32 bits as unsigned integers of their width (same bytes). Caches
+    store these: XLA:CPU can neither scatter nor gather BF16/FP8 and converted a whole
+    stored array to a wider float and back around every write and read (V4-Flash's FP8
+    pages: 9.4 GB of a 4096-token prefill's temporaries); integers it moves in place."""
+    if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
+        return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+    return a
+
+
+def as_floats(fmt: str, stored: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Stored arrays with their bits (``encode``'s output) viewed as the format's floats:
+    e4m3 values, e8m0 or e4m3 scales, bf16 rotary dims or values (same-width bitcasts)."""
+    sp = spec(fmt)
+    kinds = {"q": jnp.float8_e4m3fn if sp.elem == "fp8" else None,
+             "scale": {"ue8m0": jnp.float8_e8m0fnu, "e4m3": jnp.float8_e4m3fn}.get(sp.scale),
+             "rope": jnp.bfloat16, "v": jnp.bfloat16 if fmt == "bf16" else None}
+    out = {}
+    for k, a in stored.items():
+        want = kinds.get(k)
+        unsigned = jnp.issubdtype(a.dtype, jnp.unsignedinteger)
+        if want is not None and unsigned and jnp.dtype(want).itemsize == a.dtype.itemsize:
+            a = jax.lax.bitcast_convert_type(a, want)
+        out[k] = a
     return out
 
 
@@ -299,7 +329,7 @@ def block_scales(fmt: str, stored: dict[str, jax.Array]) -> jax.Array:
         raise ConfigError(f"cache format {fmt!r} has no scales")
     n_q = stored["q"].shape[-1] * (2 if sp.elem == "fp4" else 1)
     n_blocks = n_q // sp.block
-    sc = stored["scale"][..., :n_blocks]
+    sc = as_floats(fmt, {"scale": stored["scale"]})["scale"][..., :n_blocks]
     if sp.scale == "ue8m0":
         return e8m0_to_f32(sc)
     return sc.astype(jnp.float32)
@@ -309,6 +339,7 @@ def decode(fmt: str, stored: dict[str, jax.Array], dtype=jnp.float32) -> jax.Arr
     """Stored arrays of ``fmt`` -> values [..., w] in ``dtype`` (rotary dims last)."""
     sp = spec(fmt)
     dtype = jnp.dtype(dtype)
+    stored = as_floats(fmt, stored)
     if not sp.block:
         return stored["v"].astype(dtype)
     q = stored["q"]
@@ -353,19 +384,10 @@ def abstract(fmt: str, shape_prefix, width: int, rope: int = 0,
 
 def empty(fmt: str, shape_prefix, width: int, rope: int = 0,
           dtype=jnp.float32) -> dict[str, jax.Array]:
-    """Zero storage for ``shape_prefix`` vectors: every byte 0x00, which decodes to 0.0.
-
-    (``jnp.zeros(..., float8_e8m0fnu)`` would be NaN, since E8M0 has no zero; the all-zero byte
-    is 2^-127 there and decodes to 0, and its q values are 0 anyway.)
-    """
-    out = {}
-    for name, sds in abstract(fmt, shape_prefix, width, rope, dtype).items():
-        if sds.dtype.itemsize == 1 and sds.dtype != jnp.uint8:
-            z = jnp.zeros(sds.shape, jnp.uint8)
-            out[name] = jax.lax.bitcast_convert_type(z, sds.dtype)
-        else:
-            out[name] = jnp.zeros(sds.shape, sds.dtype)
-    return out
+    """Zero storage for ``shape_prefix`` vectors: every byte 0x00, which decodes to 0.0
+    (an E8M0 scale byte 0 is 2^-127; its q values are 0 anyway)."""
+    return {name: jnp.zeros(sds.shape, sds.dtype)
+            for name, sds in abstract(fmt, shape_prefix, width, rope, dtype).items()}
 
 
 def store(stored: dict[str, jax.Array], index: tuple, encoded: dict[str, jax.Array]) -> dict:
@@ -386,19 +408,5 @@ def store(stored: dict[str, jax.Array], index: tuple, encoded: dict[str, jax.Arr
             for d, i in enumerate(index))
         encoded = {k: jnp.concatenate([v.reshape((1,) + v.shape[len(shape):])] * 2)
                    for k, v in encoded.items()}
-    return {k: _scatter(a, index, encoded[k]) for k, a in stored.items()}
-
-
-def _scatter(a, index, v):
-    """a.at[index].set(v). Floats narrower than 32 bits (BF16, FP8, UE8M0) are scattered as
-    unsigned integers of their width: XLA:CPU scatters neither, and converted the whole array
-    to a wider float and back around every write (V4-Flash's FP8 pages: 9.4 GB of a 4096-token
-    prefill's temporaries); as integers it holds at most one copy (the bitcasts), and a
-    backend that bitcasts in place none."""
-    v = v.astype(a.dtype)
-    if a.dtype.itemsize < 4 and jnp.issubdtype(a.dtype, jnp.floating):
-        bits = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
-        as_bits = lambda x: jax.lax.bitcast_convert_type(x, bits)  # noqa: E731
-        out = as_bits(a).at[index].set(as_bits(v), mode="drop")
-        return jax.lax.bitcast_convert_type(out, a.dtype)
-    return a.at[index].set(v, mode="drop")
+    return {k: a.at[index].set(encoded[k].astype(a.dtype), mode="drop")
+            for k, a in stored.items()}

@@ -117,6 +117,7 @@ def kernel_inputs(q, pages, fmt: str, who: str):
             f"{who}: format {fmt!r} has no kernel (supported: {', '.join(KERNEL_FORMATS)}); "
             f"use reference_scores")
     d = q.shape[-1]
+    pages = formats.as_floats(fmt, pages)  # stored bits as the kernel's floats: a bitcast
     if fmt in ("native", "bf16"):
         key_arrays = [pages["v"]]
     else:
