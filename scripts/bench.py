@@ -6,6 +6,8 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
         [--train-seq 1024] [--peer hf] [--out runs/bench]
     python scripts/bench.py --depth-sweep [--out runs/bench]
     python scripts/bench.py --mesh [--out runs/bench]
+    python scripts/bench.py --long-context [--presets ...] [--lengths 2048,...,65536]
+        [--max-step-s 60] [--out runs/bench]
 
 --depth-sweep instead times compilation against depth: the V4 pattern at 6/12/24/43 layers
 and the V4.1 pattern at 10/20/40, scanned and unrolled (first call and steady step of the
@@ -15,6 +17,10 @@ forward, a prefill chunk and a decode step), into ``depth.json``.
 of the full-size V4-Flash and V4.1-Flash presets at 128K tokens on meshes (1,1,8), (8,1,1)
 and (2,2,2) (abstract shapes), and the tiny v4/v41 decode and train steps on 8 host CPU
 devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
+
+--long-context instead measures the training step against the sequence length: its
+temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) for each
+preset, into ``long_context.{json,txt,png}``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
 under ``--out``, and checks the issue's targets against the measured numbers. The measuring
@@ -80,6 +86,12 @@ def parse_args(argv=None):
                     help="time compilation against depth, scanned vs unrolled, and stop")
     ap.add_argument("--mesh", action="store_true",
                     help="per-device cache bytes and steps on device meshes, and stop")
+    ap.add_argument("--long-context", action="store_true",
+                    help="training-step temporaries and tokens/s against T, and stop")
+    ap.add_argument("--lengths", type=ints, default="2048,4096,8192,16384,32768,65536",
+                    help="--long-context sequence lengths")
+    ap.add_argument("--max-step-s", type=float, default=60.0,
+                    help="--long-context: stop timing a preset after a step this long")
     return cli.parse(ap, argv)
 
 
@@ -122,6 +134,18 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     if args.mesh:
         return mesh_measures(args)
+    if args.long_context:
+        from dsattn.bench import long_context
+
+        presets = tuple(p for p in args.presets.split(",") if p)
+        rows = long_context.run(args.configs, presets, tuple(args.lengths), *args.set,
+                                max_step_s=args.max_step_s, log=log)
+        (Path(args.out) / "long_context.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "long_context.txt").write_text(long_context.table(rows) + "\n")
+        print(long_context.table(rows))
+        if not args.no_plots:
+            long_context.plot(rows, Path(args.out) / "long_context.png")
+        return {"long_context": rows}
     if args.depth_sweep:
         rows = depth.run(args.configs, log=log)
         (Path(args.out) / "depth.json").write_text(json.dumps(rows, indent=1))

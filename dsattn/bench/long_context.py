@@ -1,25 +1,34 @@
-"""Long-context training cost: the training step's temporary memory from the compiled
-program's own memory analysis (shapes only, nothing allocated: exact and repeatable), and
-measured tokens/s, against the sequence length."""
+"""Long-context training cost against the sequence length: the training step's temporary
+memory from the compiled program's own memory analysis (shapes only, nothing allocated:
+exact and repeatable, whatever the machine's load), and measured tokens/s where a step fits
+this machine's time budget. Batch 1, the tiny presets."""
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from dsattn import config
+from dsattn.bench.measures import time_training
 from dsattn.model import Transformer
 from dsattn.train import loss_fn, make_optimizer
 
+GIB = 2 ** 30
+PRESETS = ("mha", "mla", "dsa", "v4", "v41")
+LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 
-def _step_fn(cfg):
-    """A training step (loss, gradients, optimizer update) over (params, opt_state, batch)."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+def at_length(preset, seq_len: int, *overrides: str):
+    """A preset's config trained at `seq_len`, batch 1 (max_seq_len raised to it)."""
+    return config.load(preset, [*overrides, f"model.max_seq_len={seq_len}",
+                                f"train.seq_len={seq_len}", "train.batch_size=1"])
+
+
+def train_step_memory(cfg, seq_len: int, batch: int = 1) -> dict:
+    """The compiled training step's (loss, gradients, AdamW update) memory analysis."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     tx = make_optimizer(cfg)
 
     def step(params, opt_state, batch, i):
@@ -30,29 +39,67 @@ def _step_fn(cfg):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return step, tx
-
-
-def _abstract(cfg, seq_len: int, batch: int):
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    params = nnx.state(model)
-    step, tx = _step_fn(cfg)
-    opt = jax.eval_shape(tx.init, params)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    return step, params, opt, {"inputs": tokens, "targets": tokens}
-
-
-def at_length(preset, seq_len: int, *overrides: str):
-    """A preset's config trained at `seq_len` (max_seq_len raised to it)."""
-    return config.load(preset, [*overrides, f"model.max_seq_len={seq_len}",
-                                f"train.seq_len={seq_len}"])
-
-
-def train_step_memory(cfg, seq_len: int, batch: int = 1) -> dict:
-    """The compiled training step's memory analysis at `seq_len` (bytes)."""
-    step, params, opt, data = _abstract(cfg, seq_len, batch)
-    compiled = jax.jit(step).lower(params, opt, data,
-                                   jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    mem = compiled.memory_analysis()
+    mem = jax.jit(step).lower(params, jax.eval_shape(tx.init, params),
+                              {"inputs": tokens, "targets": tokens},
+                              jax.ShapeDtypeStruct((), jnp.int32)).compile().memory_analysis()
     return {"temp_bytes": int(mem.temp_size_in_bytes),
             "argument_bytes": int(mem.argument_size_in_bytes)}
+
+
+def run(config_dir, presets=PRESETS, lengths=LENGTHS, *overrides: str,
+        max_step_s: float = 60.0, steps: int = 2, log=print) -> list[dict]:
+    """One row per (preset, length): temp bytes always; tokens/s while a preset's previous
+    step took at most `max_step_s` (a longer one would not fit the budget twice over)."""
+    rows = []
+    for name in presets:
+        timing = True
+        for t in lengths:
+            cfg = at_length(f"{config_dir}/{name}.yaml", t, *overrides)
+            row = {"preset": name, "seq_len": t, **train_step_memory(cfg, t)}
+            if timing:
+                row.update(time_training(cfg, t, 1, steps))
+                timing = row["step_s"] <= max_step_s
+            rows.append(row)
+            log(f"{name} T={t}: temp {row['temp_bytes'] / GIB:.3f} GiB"
+                + (f", {row['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in row else ""))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'preset':<7}{'T':>7}{'temp GiB':>10}{'args GiB':>10}{'step s':>9}{'tokens/s':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        timed = "tokens_per_s" in r
+        lines.append(f"{r['preset']:<7}{r['seq_len']:>7}{r['temp_bytes'] / GIB:>10.3f}"
+                     f"{r['argument_bytes'] / GIB:>10.3f}"
+                     + (f"{r['step_s']:>9.2f}{r['tokens_per_s']:>10.0f}" if timed
+                        else f"{'-':>9}{'-':>10}"))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == name]
+        mem.plot([r["seq_len"] for r in mine], [r["temp_bytes"] / GIB for r in mine], "o-",
+                 label=name)
+        timed = [r for r in mine if "tokens_per_s" in r]
+        speed.plot([r["seq_len"] for r in timed], [r["tokens_per_s"] for r in timed], "o-",
+                   label=name)
+    for ax, title in ((mem, "training step temporaries (GiB, compiled memory analysis)"),
+                      (speed, "training tokens/s (batch 1, 2-core CPU)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
