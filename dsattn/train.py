@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsattn import checkpoint, data, progress, sharding
+from dsattn import checkpoint, data, progress, sharding, tblog
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -113,13 +113,15 @@ class Trainer:
     metrics.jsonl gets a record every train.log_every steps and at each validation: the step's
     metrics, its learning rate `lr`, `time` (Unix seconds) and `tokens_per_s`, the rate of the
     steps since the previous record timed alone (the step is compiled ahead, so no compile
-    time; no validation or checkpoint time either).
+    time; no validation or checkpoint time either). Each record's numbers also go to
+    TensorBoard event files beside it (dsattn.tblog).
     """
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
                  progress_every: int | None = None):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
         self.progress_every = progress_every  # off a terminal: a line every N steps
+        self._events = None  # TensorBoard events of the records, while `run` runs
         mesh = sharding.make_mesh(cfg)
         self.mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         self.primary = jax.process_index() == 0  # the process that writes the run's files
@@ -325,6 +327,8 @@ class Trainer:
             self._finish_saves()  # a failed checkpoint first: it names its own step
             with self._writing(f"step {record['step']}'s record to {path}"):
                 raise e
+        if self._events is not None:
+            self._events.write(record)  # the same record: metrics.jsonl is the source
 
     def _catch_signals(self, caught: list) -> dict:
         """SIGINT/SIGTERM append to `caught`; the loop stops after the step in flight. The
@@ -359,8 +363,12 @@ class Trainer:
                     f"another process saved after this Trainer's step {self._saved}; make a new "
                     f"Trainer to resume from it")
             previous = self._catch_signals(caught)
+            self._events = tblog.EventLog(self.run_dir, purge_from=self.step + 1)
             return self._run(self.cfg.train.steps if steps is None else steps, caught)
         finally:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
             for s, h in previous.items():
                 signal.signal(s, h)
             try:

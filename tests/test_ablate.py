@@ -132,6 +132,8 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert mqa["kv"]["storage_bytes_per_token"] == 2 * 1 * 8 * 4
     assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25  # seed 000's V4-Flash
     for r in results:
+        # one TensorBoard run per row and seed (dsattn.tblog), so TensorBoard overlays them
+        assert list((out / "runs" / r["row"] / f"seed{r['seed']}").glob("events.out.tfevents.*"))
         assert r["steps"] == 4 and [s for s, _ in r["curve"]] == [2, 4]
         assert 0 < r["val_loss"] < 6 and r["val_loss"] == r["curve"][-1][1]
         assert r["params"] > 0 and r["train_tokens_per_s"] > 0 and r["decode_ms"] is None
