@@ -20,6 +20,8 @@ sees the same batches (batches are a function of (train.seed, step) and recall s
 their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
 its checkpoint; a finished run whose config or measurement settings changed since is refused
 (another --out). results.json / results.csv are rewritten after every run, plots at the end.
+A second process on the same sweep directory is refused (RunDirLocked naming the holder's
+pid), as a second writer of a run directory is.
 """
 
 from __future__ import annotations
@@ -385,7 +387,18 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
     _check_finished(sweep)
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    # One sweep per directory (the run directories' lock): a second would race this one's
+    # runs and overwrite its results.
+    from dsattn.checkpoint import RunDirLock
+
+    lock = RunDirLock(sweep.out, "being swept", "another --out")
+    try:
+        return _run(sweep, quiet, progress_every)
+    finally:
+        lock.release()
+
+
+def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
     (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])

@@ -135,10 +135,13 @@ class RunDirLock:
     writer's pid for messages. The kernel drops a flock when its process dies (kill -9 too), so
     staleness needs no pid checks: a lock we can take that still names a pid was left by a dead
     process, and is taken over with a warning. The file is never deleted (an unlink races with
-    a process that has opened it and is about to lock it); release empties it."""
+    a process that has opened it and is about to lock it); release empties it. `doing` and
+    `instead` word the refusal for other directories (a sweep's)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, doing: str = "being trained",
+                 instead: str = "another run directory"):
         self.path = Path(run_dir) / ".lock"
+        self.doing, self.instead = doing, instead
         self._file = None
         self.acquire()
 
@@ -154,9 +157,9 @@ class RunDirLock:
             owner = f.read().strip()
             f.close()
             raise RunDirLocked(
-                f"{self.path.parent} is being trained by another process"
+                f"{self.path.parent} is {self.doing} by another process"
                 f"{f' (pid {owner})' if owner else ''}; wait for it to finish, stop it, or use "
-                f"another run directory") from None
+                f"{self.instead}") from None
         f.seek(0)
         previous = f.read().strip()
         if previous and previous != str(os.getpid()):

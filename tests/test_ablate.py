@@ -6,6 +6,9 @@ import csv
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -164,6 +167,30 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     p = run_script("ablate", "--report", out)  # the CLI: plots redrawn, no training
     assert p.returncode == 0, p.stderr.decode()
     assert (out / "pareto.png").exists() and "mqa" in ablate.report(out)
+
+
+def test_a_second_sweep_on_the_same_directory_is_refused_naming_the_holder(tmp_path):
+    out = tmp_path / "sweep"
+    path = _write(tmp_path, overrides=[*TOY, "train.steps=100000"], decode_context=0,
+                  recall={"distances": [8], "per_distance": 1})
+    holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "ablate.py"),
+                               str(path), "--out", str(out), "--quiet"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    locks = [out / ".lock", out / "runs" / "mha" / "seed0" / ".lock"]  # the sweep's, the run's
+    try:
+        t0 = time.monotonic()
+        while not any(p.exists() and p.read_text().strip() == str(holder.pid) for p in locks):
+            assert holder.poll() is None, holder.communicate()[1].decode()[-3000:]
+            assert time.monotonic() - t0 < 120, "the sweep did not start"
+            time.sleep(0.05)
+        p = run_script("ablate", path, "--out", out)
+        err = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 1 and len(err) == 1 and f"(pid {holder.pid})" in err[0], err
+        assert "ablate.py: error: " in err[0] and "another --out" in err[0], err
+        assert holder.poll() is None and not (out / "results.json").exists()  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("name", ["ratios", "topk_window", "v41_parts", "formats"])
