@@ -112,7 +112,7 @@ def run(main, argv=None):
         # pages of traceback, once per array, before the error reaches main(): its one line
         # below says it all
         for name in ("absl", "asyncio"):
-            logging.getLogger(name).addFilter(lambda record: record.exc_info is None)
+            logging.getLogger(name).addFilter(_without_traceback)  # once, however many runs
         sys.unraisablehook = _unraisable
     try:
         status = main(args)
@@ -127,6 +127,10 @@ def run(main, argv=None):
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    return record.exc_info is None
 
 
 def _unraisable(u) -> None:
