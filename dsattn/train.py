@@ -218,10 +218,9 @@ class Trainer:
     def _data_order_changes(self, saved: dict | None, strict: bool) -> dict:
         """{key: [old, new]} of the DATA_ORDER_KEYS this resume changes, after a warning;
         ConfigError instead if `strict`."""
-        now = self.cfg.to_dict()
-        changed = {f"{sec}.{key}": [(saved or {})[sec][key], now[sec][key]]
-                   for sec, key in DATA_ORDER_KEYS
-                   if key in (saved or {}).get(sec, {}) and saved[sec][key] != now[sec][key]}
+        old, now = saved or {}, self.cfg.to_dict()
+        changed = {f"{sec}.{key}": [old[sec][key], now[sec][key]] for sec, key in DATA_ORDER_KEYS
+                   if key in old.get(sec, {}) and old[sec][key] != now[sec][key]}
         if not changed:
             return {}
         what = (f"resuming at step {self.step} with "
@@ -378,8 +377,6 @@ class Trainer:
 
     def _run(self, target: int, caught: list) -> dict:
         t = self.cfg.train
-        tokens_per_step = t.batch_size * t.seq_len
-        val = None
         if self._compiled_step is None:  # compiled ahead, so compile time is not step time
             batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
             with self._on_mesh():
@@ -388,6 +385,15 @@ class Trainer:
                     jnp.int32(self.step)).compile()
         bar = progress.Progress(target, initial=self.step, desc=f"train {self.cfg.name}",
                                 every=self.progress_every, quiet=self.quiet)
+        try:
+            return self._steps(target, caught, bar)
+        finally:
+            bar.close()  # before any error's line: not on the bar's line
+
+    def _steps(self, target: int, caught: list, bar: progress.Progress) -> dict:
+        t = self.cfg.train
+        tokens_per_step = t.batch_size * t.seq_len
+        val = None
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
@@ -421,7 +427,7 @@ class Trainer:
             bar.update(fields={"loss": f"{loss:.3f}",
                                "val": f"{val:.3f}" if val is not None else "-",
                                "tok/s": f"{tok_s:,.0f}"})
-        bar.close()
+        bar.close()  # before the line below
         if caught:
             if self.step > start and self._saved != self.step:
                 self.save()

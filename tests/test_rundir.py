@@ -5,6 +5,7 @@ time and compile-free throughput), and a changed schedule is reported. Signals a
 real `scripts/train.py` processes."""
 
 import errno
+import io
 import json
 import math
 import os
@@ -344,6 +345,21 @@ def test_leftover_unfinished_checkpoint_is_never_restored_and_resume_says_so(run
                                          r"9\.orbax-checkpoint-tmp-1234.*never restored"):
         tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir, quiet=True)
     assert tr.step == 6 and not tmp.exists()
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_failed_save_on_a_terminal_closes_the_bar_before_the_error(run_dir, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    tr = train.Trainer(cfg(*BASE[1:], "train.steps=12"), run_dir)  # with its progress bar
+    fail_commits(monkeypatch)
+    with pytest.raises(errors.CheckpointWriteError):
+        tr.run()
+    shown = sys.stderr.getvalue()
+    assert "\r" in shown and shown.endswith("\n")  # the error's line starts a line of its own
 
 
 INJECT = """
