@@ -39,6 +39,8 @@ MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 # Keys of those sections that change how weights are laid out, not what they compute: a run
 # restores across them (see `layouts`).
 LAYOUT_KEYS = {("model", "scan_layers")}
+# Keys that choose how a program runs (block sizes), not what it computes: free on resume.
+EXECUTION_KEYS = {("attention", "query_block"), ("indexer", "key_block"), ("model", "remat")}
 
 # Parameters that moved when attention layers were composed from a source and a selector
 # (dsattn.plan): old name inside a block's `attn` -> new path. Checkpoints saved before
@@ -207,7 +209,7 @@ def check_compatible(run_dir: Path, cfg) -> None:
     for sec in MODEL_SECTIONS:
         a, b = saved.get(sec, {}), now.get(sec, {})
         for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key) and (sec, key) not in LAYOUT_KEYS:
+            if a.get(key) != b.get(key) and (sec, key) not in LAYOUT_KEYS | EXECUTION_KEYS:
                 raise CheckpointMismatch(
                     f"{run_dir}: checkpoint was trained with {sec}.{key}={a.get(key)!r}, "
                     f"this config has {sec}.{key}={b.get(key)!r}; use another run directory "

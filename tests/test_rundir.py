@@ -399,3 +399,19 @@ def test_train_script_with_debug_shows_a_failed_saves_traceback(run_dir, monkeyp
     with pytest.raises(errors.CheckpointWriteError) as e:  # through cli.run: its traceback
         cli.run(train_script.main, [*extend_args(run_dir), "--debug"])
     assert isinstance(e.value.__cause__, OSError)
+
+
+def test_block_sizes_and_remat_may_change_on_resume(tmp_path):
+    """attention.query_block, indexer.key_block and model.remat choose how the step runs,
+    not what it computes: a run restores under other values (a model key still refuses)."""
+    from dsattn import checkpoint
+    from tests.helpers import preset
+
+    cfg = preset("v4", "model.n_layers=2", "attention.layers=swa, csa")
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    checkpoint.check_compatible(tmp_path, preset(
+        "v4", "model.n_layers=2", "attention.layers=swa, csa", "attention.query_block=64",
+        "indexer.key_block=128", "model.remat=block"))
+    with pytest.raises(checkpoint.CheckpointMismatch, match="attention.top_k"):
+        checkpoint.check_compatible(tmp_path, preset(
+            "v4", "model.n_layers=2", "attention.layers=swa, csa", "attention.top_k=3"))
