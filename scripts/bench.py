@@ -91,7 +91,8 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", type=ints, default="2048,4096,8192,16384,32768,65536",
                     help="--long-context sequence lengths")
     ap.add_argument("--max-step-s", type=float, default=60.0,
-                    help="--long-context: stop timing a preset after a step this long")
+                    help="--long-context: stop timing a preset after a step this long "
+                         "(0: memory only)")
     return cli.parse(ap, argv)
 
 

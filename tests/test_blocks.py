@@ -21,7 +21,7 @@ from dsattn.attention.core import attend
 from dsattn.cache import ring
 from dsattn.model import Transformer
 from dsattn.nn.rope import apply_rope_last
-from tests.helpers import preset
+from tests.helpers import ROOT, preset
 
 T = 45
 
@@ -146,3 +146,17 @@ def test_remat_changes_no_number(remat, layers):
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-12)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
                  g_got, g_want)
+
+
+@pytest.mark.parametrize("name, extra", [("v4", V4_SHORT), ("mha", ("model.n_layers=2",))])
+def test_training_step_memory_grows_linearly_with_the_sequence(name, extra):
+    """The compiled training step's temporaries (XLA's memory analysis, from shapes alone) at
+    4x the tokens are at most ~4x, not 16x: no [T, T] mask, [T, H, S] probabilities or
+    per-head indexer scores."""
+    from dsattn.bench import long_context
+
+    blocks = ("attention.query_block=64", "indexer.key_block=128", *extra)
+    temp = [long_context.train_step_memory(
+        long_context.at_length(f"{ROOT}/configs/tiny/{name}.yaml", t, *blocks), t)["temp_bytes"]
+        for t in (512, 2048)]
+    assert temp[1] <= 4.6 * temp[0], temp

@@ -50,10 +50,11 @@ def train_step_memory(cfg, seq_len: int, batch: int = 1) -> dict:
 def run(config_dir, presets=PRESETS, lengths=LENGTHS, *overrides: str,
         max_step_s: float = 60.0, steps: int = 2, log=print) -> list[dict]:
     """One row per (preset, length): temp bytes always; tokens/s while a preset's previous
-    step took at most `max_step_s` (a longer one would not fit the budget twice over)."""
+    step took at most `max_step_s` (a longer one would not fit the budget twice over; 0:
+    memory only)."""
     rows = []
     for name in presets:
-        timing = True
+        timing = max_step_s > 0
         for t in lengths:
             cfg = at_length(f"{config_dir}/{name}.yaml", t, *overrides)
             row = {"preset": name, "seq_len": t, **train_step_memory(cfg, t)}
