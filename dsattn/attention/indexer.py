@@ -76,7 +76,7 @@ def select(score, visible, k: int, method: str = "exact"):
 
 
 def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "exact",
-          block_max: int | None = None):
+          block_max: int | None = None, query_block: int = 1):
     """The indexer's top-k of queries q [B,T,n,d] (weights w [B,T,n]) over keys [B,S,d],
     scored key block by key block with a running top-k, so no [B, T, n, S] (nor [B, T, S])
     array is ever live: O(T·(k + key_block)).
@@ -89,6 +89,9 @@ def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "
     """
     s_len = keys.shape[1]
     k = min(k, s_len)
+    # `key_block` keys per step for a full block of `query_block` queries: fewer queries (a
+    # decode step) score proportionally more keys per step, so decode stays one pass.
+    key_block = max(key_block, key_block * query_block // max(q.shape[1], 1))
     if block_max:  # maxima per key block must not straddle two key blocks
         key_block = -(-key_block // block_max) * block_max
 

@@ -106,7 +106,7 @@ class IndexerSelector(nnx.Module):
 
             def scored(iq, w, nv):
                 return indexer.top_k(iq, w, keys, stored, nv, self.top_k, self.key_block,
-                                     self.method, block_max)
+                                     self.method, block_max, self.query_block)
 
         def one(start, blk):
             idx, ok, maxima = scored(*blk)
