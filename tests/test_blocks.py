@@ -160,3 +160,13 @@ def test_training_step_memory_grows_linearly_with_the_sequence(name, extra):
         long_context.at_length(f"{ROOT}/configs/tiny/{name}.yaml", t, *blocks), t)["temp_bytes"]
         for t in (512, 2048)]
     assert temp[1] <= 4.6 * temp[0], temp
+
+
+def test_signed_zero_scores_are_ties():
+    """ReLU scores of exactly zero come out as +0.0 or -0.0 depending on how a dot sums them
+    (one pass or by key blocks); top_k orders -0.0 below +0.0, which made the blocked and the
+    one-pass selections differ (found by the broad property search). Zero is zero: the
+    lowest ids win."""
+    score = jnp.asarray([[[-0.0, 0.0, -0.0, 0.0, -1.0]]])
+    idx, ok = indexer.select(score, jnp.ones(score.shape, bool), 2)
+    np.testing.assert_array_equal(idx[0, 0], [0, 1])

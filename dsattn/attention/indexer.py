@@ -53,7 +53,9 @@ def gathered_scores(q, w, keys):
 
 def _top(x, k: int, method: str):
     """(values, positions) of the k largest along the last axis; exact ties keep the lower
-    position first (lax.top_k is stable)."""
+    position first (lax.top_k is stable). -0.0 becomes +0.0 first: top_k orders -0.0 below
+    +0.0, and which sign a zero ReLU score gets depends on how its dot was summed."""
+    x = jnp.where(x == 0, jnp.zeros((), x.dtype), x)
     if method == "approx":
         return jax.lax.approx_max_k(x, k, recall_target=1.0)
     if method == "exact":
@@ -182,7 +184,7 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
     newest = (n_visible - 1) // block
     pinned = (jnp.arange(block_max.shape[-1]) == newest[..., None]) & (n_visible[..., None] > 0)
     bs = jnp.where(pinned, jnp.inf, block_max)
-    vals, ids = jax.lax.top_k(bs, min(n_blocks, bs.shape[-1]))
+    vals, ids = _top(bs, min(n_blocks, bs.shape[-1]), "exact")
     # Entry ids ascending, so top-k ties inside the pool (ReLU makes exact zeros common)
     # break toward the lowest entry id, as in the forward's dense mask.
     order = jnp.argsort(ids, axis=-1)
