@@ -45,10 +45,10 @@ class Window:
                    size=size)
 
     def block(self, start, n: int):
-        """(keys [B, n + W - 1, c], mask [B, n, n + W - 1]) of queries start..start+n-1 at
-        positions `q_pos`. A last, padded block may run past the end: the slice then starts
-        earlier (dynamic_slice clamps), which still holds every real query's window, and the
-        mask goes by positions."""
+        """(keys [B, n + W - 1, c], their positions) for queries start..start+n-1 (`mask`
+        turns the positions into visibility). A last, padded block may run past the end: the
+        slice then starts earlier (dynamic_slice clamps), which still holds every real
+        query's window, and the mask goes by positions."""
         lo = start + self.lead - self.size + 1
         width = min(n + self.size - 1, self.keys.shape[1])
         return (jax.lax.dynamic_slice_in_dim(self.keys, lo, width, axis=1),
