@@ -21,6 +21,7 @@ from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.remat import in_order as remat_in_order
 from dsattn.plan import Family
 
 ATTENTION = {Family.MHA: MHA, Family.MLA: MLA, Family.DSA: DSA, Family.V4: V4Attention}
@@ -195,12 +196,16 @@ class Transformer(nnx.Module):
         def run(block, x, ctx):
             return block(x, positions, step, ctx)
 
-        remat = nnx.remat(run, policy=policy) if policy is not None else run
+        def remat(block, x, ctx):
+            graphdef, state = nnx.split(block)
+            pure = lambda st, x, ctx, pos, step: nnx.merge(graphdef, st)(x, pos, step, ctx)
+            return remat_in_order(pure, policy)(state, x, ctx, positions, step)
+
         for unit, block in zip(self.units, self.blocks):
             if unit.start == self.cfg.attention.ced_split and unit.start:
                 ctx = StackContext(encoder_out=x)  # decoder: global KV from the encoder
             # a scanned group rematerialises its scan body itself
-            x, aux, ctx = (run if unit.scanned else remat)(block, x, ctx)
+            x, aux, ctx = (run if unit.scanned or policy is None else remat)(block, x, ctx)
             auxes.extend(aux if unit.scanned else [aux])
         logits = self.embedding.logits(self.norm(x))
         return sharding.constrain(logits, ("batch", "seq", "vocab")), auxes
