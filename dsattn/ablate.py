@@ -19,7 +19,9 @@ overrides that fail config validation raise ConfigError naming the row and key. 
 sees the same batches (batches are a function of (train.seed, step) and recall streams have
 their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
 its checkpoint; a finished run whose config or measurement settings changed since is refused
-(another --out). results.json / results.csv are rewritten after every run, plots at the end.
+(another --out). results.json / results.csv (one line per run) and summary.csv (one line per
+row: mean, standard deviation and 95% interval over its seeds of every metric,
+dsattn.seedstats) are rewritten after every run, plots at the end.
 A second process on the same sweep directory is refused (RunDirLocked naming the holder's
 pid), as a second writer of a run directory is.
 """
@@ -40,7 +42,7 @@ import numpy as np
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import kvbytes, plan, progress, recall
+from dsattn import kvbytes, plan, progress, recall, seedstats
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
@@ -365,16 +367,50 @@ def flat(result: dict) -> dict:
     return out
 
 
-def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
-    _write_json(out / "results.json", {"sweep": sweep_name, "runs": results})
-    rows = [flat(r) for r in results]
+METRICS = ("val_loss", "recall_mean", "train_tokens_per_s", "decode_ms")
+
+
+def _metrics(result: dict) -> dict:
+    """A run's metrics that vary with the seed: the scalars, mean recall and recall per
+    distance."""
+    acc = result.get("recall") or {}
+    out = {k: result.get(k) for k in METRICS if k != "recall_mean"}
+    out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
+    out.update({f"recall_d{d}": a for d, a in acc.items()})
+    return out
+
+
+def row_summaries(results: list[dict]) -> dict:
+    """{row: {metric: seedstats.summary}} over each row's finished seeds."""
+    out = {}
+    for name, rs in _by_row(results).items():
+        runs = [_metrics(r) for r in rs]
+        keys = list(dict.fromkeys(k for m in runs for k in m))
+        out[name] = {k: seedstats.summary([m.get(k) for m in runs]) for k in keys}
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = out / "results.csv.tmp"
+    tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fields)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, out / "results.csv")
+    os.replace(tmp, path)
+
+
+def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
+    summaries = row_summaries(results)
+    _write_json(out / "results.json", {"sweep": sweep_name, "runs": results, "rows": {
+        name: {k: {st: None if isinstance(v, float) and np.isnan(v) else v
+                   for st, v in m.items()} for k, m in ms.items()}
+        for name, ms in summaries.items()}})
+    _write_csv(out / "results.csv", [flat(r) for r in results])
+    _write_csv(out / "summary.csv", [
+        {"row": name, "seeds": next(iter(m.values()))["n"],
+         **{f"{k}_{stat}": v[stat] for k, v in m.items() for stat in ("mean", "std", "lo", "hi")}}
+        for name, m in summaries.items()])
 
 
 def run(sweep, overrides=(), out=None, quiet: bool = False,
@@ -463,8 +499,18 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
+def _band(ax, xs, runs: np.ndarray, colour) -> None:
+    """The mean over seeds (rows of `runs`) as a line, its 95% interval as a band."""
+    st = [seedstats.summary(col) for col in runs.T]
+    ax.plot(xs, [x["mean"] for x in st], "o-" if len(xs) < 20 else "-", color=colour)
+    if runs.shape[0] > 1:
+        ax.fill_between(xs, [x["lo"] for x in st], [x["hi"] for x in st], color=colour,
+                        alpha=0.2)
+
+
 def plots(out, results: list[dict]) -> list[Path]:
-    """pareto.png, recall.png, curves.png: one colour per row, mean and min-max over seeds."""
+    """pareto.png, recall.png, curves.png: one colour per row, the mean over seeds and its
+    95% interval (seedstats; none with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -475,6 +521,7 @@ def plots(out, results: list[dict]) -> list[Path]:
         return []
     colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
     col = {name: colours(i % colours.N) for i, name in enumerate(rows)}
+    summaries = row_summaries(results)
     paths = []
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -483,33 +530,37 @@ def plots(out, results: list[dict]) -> list[Path]:
         x = rs[0]["kv"]["storage_bytes_per_token"]
         if x <= 0:  # window-only stacks store nothing global: no place on a log axis
             continue
-        ys = np.array([r["val_loss"] for r in rs])
-        pts.append((x, ys.mean()))
-        ax.errorbar(x, ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
-                    fmt="o", color=col[name], capsize=3, label=name)
-    front = pareto(pts)
-    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=1,
-            label="Pareto front")
-    ax.scatter([pts[i][0] for i in front], [pts[i][1] for i in front], s=160,
+        y = summaries[name]["val_loss"]
+        pts.append({"x": x, "y": y})
+        err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
+        ax.errorbar(x, y["mean"], yerr=err, fmt="o", color=col[name], capsize=3, label=name)
+    front = pareto([(p["x"], p["y"]["mean"]) for p in pts])
+    near = seedstats.overlaps_front(pts, front)
+    ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
+            label="Pareto front (means)")
+    ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
                facecolors="none", edgecolors="k")
+    if near:
+        ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
+                   facecolors="none", edgecolors="grey", linestyles="dotted",
+                   label="interval reaches the front")
     ax.set_xscale("log")
     ax.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("held-out loss vs KV bytes per token (mean, bars: min-max over seeds)")
+    ax.set_title("held-out loss vs KV bytes per token (mean, bars: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "pareto.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, rs in rows.items():
         ds = sorted(int(d) for d in rs[0]["recall"])
-        acc = np.array([[r["recall"][str(d)] for d in ds] for r in rs])
-        ax.plot(ds, acc.mean(0), "o-", color=col[name], label=name)
-        ax.fill_between(ds, acc.min(0), acc.max(0), color=col[name], alpha=0.2)
+        _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name])
+        ax.lines[-1].set_label(name)
     ax.axhline(recall.CHANCE, color="grey", ls=":", label="chance")
     ax.set_xlabel("fact-to-query distance (bytes)")
     ax.set_ylabel("recall accuracy on answer bytes (fraction)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("recall accuracy vs distance (mean, band: min-max over seeds)")
+    ax.set_title("recall accuracy vs distance (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "recall.png"))
 
@@ -518,12 +569,12 @@ def plots(out, results: list[dict]) -> list[Path]:
         steps = sorted(set.intersection(*[{s for s, _ in r["curve"]} for r in rs]))
         if not steps:
             continue
-        ys = np.array([[dict(map(tuple, r["curve"]))[s] for s in steps] for r in rs])
-        ax.plot(steps, ys.mean(0), "-", color=col[name], label=name)
-        ax.fill_between(steps, ys.min(0), ys.max(0), color=col[name], alpha=0.2)
+        _band(ax, steps, np.array([[dict(map(tuple, r["curve"]))[s] for s in steps]
+                                   for r in rs]), col[name])
+        ax.lines[-1].set_label(name)
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("held-out loss during training (mean, band: min-max over seeds)")
+    ax.set_title("held-out loss during training (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "curves.png"))
     return paths
@@ -538,25 +589,48 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _interval(m: dict, fmt: str) -> str:
+    if np.isnan(m["lo"]):
+        return format(m["mean"], fmt)
+    return f"{format(m['mean'], fmt)} [{format(m['lo'], fmt)}, {format(m['hi'], fmt)}]"
+
+
 def table(results: list[dict]) -> str:
-    """Per row: seeds, loss mean ± std, KV bytes/token (own, full size), reads at 128K full
-    size, mean recall accuracy, params, tokens/s, decode ms."""
-    head = (f"{'row':<28} {'n':>2} {'loss':>14} {'B/tok':>9} {'full B/tok':>10} "
-            f"{'full rd 128K':>12} {'recall':>6} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
+    """Per row: seeds, loss and mean recall (mean [95% interval] over seeds), KV bytes/token
+    (own, full size), reads at 128K full size, params, tokens/s, decode ms; then each row's
+    loss and recall against the best row's, and whether the difference exceeds the spread
+    of the seeds (Welch's 95% interval excludes 0)."""
+    head = (f"{'row':<28} {'n':>2} {'loss':>26} {'recall':>22} {'B/tok':>9} "
+            f"{'full B/tok':>10} {'full rd 128K':>12} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
     lines = [head, "-" * len(head)]
-    for name, rs in _by_row(results).items():
-        loss = np.array([r["val_loss"] for r in rs])
-        full = rs[0].get("kv_full") or {}
-        acc = np.mean([np.mean(list(r["recall"].values())) for r in rs])
-        tok = [r["train_tokens_per_s"] for r in rs if r.get("train_tokens_per_s")]
-        dec = [r["decode_ms"] for r in rs if r.get("decode_ms")]
+    rows, summaries = _by_row(results), row_summaries(results)
+    for name, rs in rows.items():
+        m, full = summaries[name], rs[0].get("kv_full") or {}
         lines.append(
-            f"{name:<28} {len(rs):>2} {loss.mean():>7.4f}±{loss.std():<6.4f} "
+            f"{name:<28} {len(rs):>2} {_interval(m['val_loss'], '.4f'):>26} "
+            f"{_interval(m['recall_mean'], '.3f'):>22} "
             f"{rs[0]['kv']['storage_bytes_per_token']:>9.1f} "
             f"{full.get('storage_bytes_per_token', float('nan')):>10.1f} "
-            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {acc:>6.3f} "
-            f"{rs[0]['params']:>8,} {np.mean(tok) if tok else float('nan'):>7.0f} "
-            f"{np.mean(dec) if dec else float('nan'):>6.2f}")
+            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {rs[0]['params']:>8,} "
+            f"{m['train_tokens_per_s']['mean']:>7.0f} {m['decode_ms']['mean']:>6.2f}")
+    if len(rows) > 1:
+        best = min(rows, key=lambda n: summaries[n]["val_loss"]["mean"])
+        lines += ["", f"against the lowest mean loss ({best}): difference [95% interval]"]
+        for name, rs in rows.items():
+            if name == best:
+                continue
+            parts = []
+            for key, label, fmt in (("val_loss", "loss", "+.4f"), ("recall_mean", "recall",
+                                                                    "+.3f")):
+                d = seedstats.difference([_metrics(r)[key] for r in rs],
+                                         [_metrics(r)[key] for r in rows[best]])
+                verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
+                           False: "within the seed spread"}[d["exceeds"]]
+                shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else
+                         f"{format(d['diff'], fmt)} [{format(d['lo'], fmt)}, "
+                         f"{format(d['hi'], fmt)}]")
+                parts.append(f"{label} {shown} ({verdict})")
+            lines.append(f"  {name}: " + "; ".join(parts))
     for r in results:
         if "error" in r:
             lines.append(f"{r['row']} seed {r['seed']}: FAILED: {r['error']}")

@@ -129,6 +129,14 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and {"val_loss", "recall_d8", "recall_d40", "read_bytes_128k",
                                "full_read_bytes_128k", "decode_ms", "params"} <= set(rows[0])
+    with open(out / "summary.csv") as f:  # per row over its two seeds: t(0.975, 1 dof)
+        summary = {r["row"]: r for r in csv.DictReader(f)}
+    losses = [r["val_loss"] for r in results[:2]]
+    half = 12.706204736174696 * abs(losses[0] - losses[1]) / 2
+    assert summary["mha"]["seeds"] == "2"
+    assert float(summary["mha"]["val_loss_mean"]) == pytest.approx(sum(losses) / 2)
+    assert float(summary["mha"]["val_loss_hi"]) == pytest.approx(sum(losses) / 2 + half)
+    assert {"recall_d8_lo", "recall_mean_hi", "train_tokens_per_s_std"} <= set(summary["mqa"])
     mha, mqa = results[0], results[2]
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
     assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
