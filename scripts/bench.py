@@ -25,8 +25,9 @@ temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) 
 preset, into ``long_context.{json,txt,png}``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
-under ``--out``, and checks the issue's targets against the measured numbers. The measuring
-and reporting are dsattn.bench (suite, measures, report, peer_hf).
+under ``--out``, and checks the benchmark's targets (listed in the README) against the
+measured numbers. The measuring and reporting are dsattn.bench (suite, measures, report,
+peer_hf).
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
     assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
     assert mqa["kv"]["storage_bytes_per_token"] == 2 * 1 * 8 * 4
-    assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25  # seed 000's V4-Flash
+    # V4-Flash's storage per token (configs/deepseek/v4_flash.yaml, dsattn/kvbytes.py)
+    assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25
     for r in results:
         # one TensorBoard run per row and seed (dsattn.tblog), so TensorBoard overlays them
         assert list((out / "runs" / r["row"] / f"seed{r['seed']}").glob("events.out.tfevents.*"))
