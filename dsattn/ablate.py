@@ -12,6 +12,7 @@ rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
     seeds: [0, 1]
     recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
     decode_context: 4096                         # 0: no decode timing
+    lengths: [2, 4]                              # also evaluated at 2x, 4x train.seq_len
 
 Every file is validated whole before any training: unknown keys, duplicate row names and
 overrides that fail config validation raise ConfigError naming the row and key. Runs live in
@@ -21,7 +22,9 @@ their own seed). A run with ``result.json`` is finished and skipped; any other r
 its checkpoint; a finished run whose config or measurement settings changed since is refused
 (another --out). results.json / results.csv (one line per run) and summary.csv (one line per
 row: mean, standard deviation and 95% interval over its seeds of every metric,
-dsattn.seedstats) are rewritten after every run, plots at the end.
+dsattn.seedstats) are rewritten after every run, plots at the end. Every run is also evaluated
+beyond its training length (`lengths`, multiples of train.seq_len): held-out loss, and recall
+with probes as many times longer and facts as many times farther back.
 A second process on the same sweep directory is refused (RunDirLocked naming the holder's
 pid), as a second writer of a run directory is.
 """
@@ -33,6 +36,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import time
@@ -46,7 +50,7 @@ from dsattn import kvbytes, plan, progress, recall, seedstats
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
-              "decode_context", "out")
+              "decode_context", "lengths", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len")
 CONTEXTS = {"8k": 8192, "128k": 131072}
 # Sections whose overrides keep a meaning at full size (model shape, training and data don't).
@@ -72,6 +76,7 @@ class Sweep:
     probe_len: int
     decode_context: int
     out: Path
+    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
 
     def config(self, row: Row, seed: int):
         return config_lib.load(self.base, [*self.overrides, *row.overrides,
@@ -166,11 +171,17 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     decode = raw.get("decode_context", 4096)
     if not isinstance(decode, int) or decode < 0:
         raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
+    lengths = raw.get("lengths", [2, 4])
+    if not isinstance(lengths, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in lengths):
+        raise ConfigError(f"lengths: expected a list of integers >= 2 (multiples of "
+                          f"train.seq_len), got {lengths!r}")
     name = str(raw.get("name", default_name))
     sweep = Sweep(name=name, base=str(raw["base"]), full_size=raw.get("full_size"),
                   overrides=shared, rows=tuple(rows), seeds=tuple(seeds),
                   distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
                   probe_len=rc.get("seq_len", 0), decode_context=decode,
+                  lengths=tuple(dict.fromkeys(lengths)),
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
 
@@ -288,9 +299,20 @@ def _tokens_per_s(run_dir: Path):
     return float(np.median(rates)) if rates else None
 
 
+def _held_out_loss(model, cfg, seq_len: int) -> float | None:
+    """Nats per token of the validation split at `seq_len` (None if the split is shorter)."""
+    from dsattn import evaluate
+
+    try:
+        return evaluate.evaluate(model, cfg, [seq_len])[0]["nats_per_token"]
+    except DsattnError:  # the validation split holds fewer than seq_len + 1 tokens
+        return None
+
+
 def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False,
             progress_every: int | None = None) -> dict:
-    """Train (or resume) one run and measure it."""
+    """Train (or resume) one run and measure it; `probes` by multiple of the training
+    length (1: the sweep's own)."""
     import jax
 
     from dsattn.bench import measures as bench
@@ -304,7 +326,10 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
     else:  # trained to the end before a kill took the measurements
         val_loss = trainer.validation_loss()
     model = trainer.model()
-    acc = recall.accuracy(model, probes)
+    acc = recall.accuracy(model, probes[1])
+    beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
+                       "recall": {str(d): a for d, a in recall.accuracy(model, p).items()}}
+              for m, p in probes.items() if m > 1}
     decode_ms = None
     if sweep.decode_context:
         decode_ms = bench.time_decode(model, sweep.decode_context, batch=1, steps=5,
@@ -317,6 +342,7 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
         "train_tokens_per_s": _tokens_per_s(run_dir),
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
+        "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,
         "full_overrides_applied": applied, "full_overrides_skipped": skipped,
@@ -329,7 +355,7 @@ def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
     """What a finished run's numbers depend on: its config and the sweep's measurements."""
     what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
             "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
-            "decode_context": sweep.decode_context,
+            "decode_context": sweep.decode_context, "lengths": sweep.lengths,
             "full_size": sweep.full_size and Path(sweep.full_size).name}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -359,6 +385,7 @@ def flat(result: dict) -> dict:
                                       "train_tokens_per_s", "decode_context", "decode_ms",
                                       "wall_s")}
     out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
+    out.update(_beyond(result))
     out.update(result.get("kv") or {})
     out.update({f"full_{k}": v for k, v in (result.get("kv_full") or {}).items()})
     out["overrides"] = " ".join(result.get("overrides", []))
@@ -377,6 +404,16 @@ def _metrics(result: dict) -> dict:
     out = {k: result.get(k) for k in METRICS if k != "recall_mean"}
     out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
     out.update({f"recall_d{d}": a for d, a in acc.items()})
+    out.update(_beyond(result))
+    return out
+
+
+def _beyond(result: dict) -> dict:
+    """Columns of the evaluation beyond the training length: val_loss_x2, recall_x2_d96..."""
+    out = {}
+    for m, b in (result.get("beyond") or {}).items():
+        out[f"val_loss_x{m}"] = b["val_loss"]
+        out.update({f"recall_x{m}_d{d}": a for d, a in b["recall"].items()})
     return out
 
 
@@ -438,7 +475,7 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
     (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
-    probes = _probes(sweep, cfg0)
+    probes = {m: _probes(sweep, cfg0, m) for m in (1, *sweep.lengths)}
     results = []
     jobs = [(row, seed, sweep.out / "runs" / row.name / f"seed{seed}")
             for row in sweep.rows for seed in sweep.seeds]
@@ -468,18 +505,19 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     return results
 
 
-def _probes(sweep: Sweep, cfg) -> recall.Probes:
+def _probes(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     """Recall probes shared by every run: contexts from the recall validation stream when the
-    sweep trains on one, else from a fresh noise stream."""
+    sweep trains on one, else from a fresh noise stream; with `times`, rows that many times
+    longer with facts that many times farther back (distances past recall.MAX_DIST left out)."""
     spec, background = recall.RecallSpec(), None
     if recall.is_recall(cfg.data.source):
         spec = recall.parse_source(cfg.data.source)
         background = recall.streams(cfg.data.source, cfg.data.val_fraction,
                                     cfg.data.max_bytes)[1]
-        if len(background) < sweep.probe_len:
+        if len(background) < times * sweep.probe_len:
             background = None
-    return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
-                         background)
+    dists = [times * d for d in sweep.distances if times * d <= recall.MAX_DIST]
+    return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -589,6 +627,10 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _mean(summaries: dict, key: str) -> float:
+    return summaries[key]["mean"] if key in summaries else math.nan
+
+
 def _interval(m: dict, fmt: str) -> str:
     if np.isnan(m["lo"]):
         return format(m["mean"], fmt)
@@ -596,19 +638,23 @@ def _interval(m: dict, fmt: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """Per row: seeds, loss and mean recall (mean [95% interval] over seeds), KV bytes/token
+    """Per row: seeds, loss and mean recall (mean [95% interval] over seeds), the held-out
+    loss at each multiple of the training length (mean), KV bytes/token
     (own, full size), reads at 128K full size, params, tokens/s, decode ms; then each row's
     loss and recall against the best row's, and whether the difference exceeds the spread
     of the seeds (Welch's 95% interval excludes 0)."""
-    head = (f"{'row':<28} {'n':>2} {'loss':>26} {'recall':>22} {'B/tok':>9} "
+    rows, summaries = _by_row(results), row_summaries(results)
+    times = sorted({int(m) for rs in rows.values() for r in rs for m in r.get("beyond") or {}})
+    longer = "loss " + "/".join(f"x{m}" for m in times) if times else ""
+    head = (f"{'row':<28} {'n':>2} {'loss':>26} {'recall':>22} {longer:>16} {'B/tok':>9} "
             f"{'full B/tok':>10} {'full rd 128K':>12} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
     lines = [head, "-" * len(head)]
-    rows, summaries = _by_row(results), row_summaries(results)
     for name, rs in rows.items():
         m, full = summaries[name], rs[0].get("kv_full") or {}
         lines.append(
             f"{name:<28} {len(rs):>2} {_interval(m['val_loss'], '.4f'):>26} "
             f"{_interval(m['recall_mean'], '.3f'):>22} "
+            f"{'/'.join(format(_mean(m, f'val_loss_x{t}'), '.3f') for t in times):>16} "
             f"{rs[0]['kv']['storage_bytes_per_token']:>9.1f} "
             f"{full.get('storage_bytes_per_token', float('nan')):>10.1f} "
             f"{full.get('read_bytes_128k', float('nan')):>12.3g} {rs[0]['params']:>8,} "

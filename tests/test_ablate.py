@@ -49,6 +49,7 @@ def _write(tmp_path, **sweep):
     ({"recall": {"per_distance": 0}}, r"recall.per_distance: expected an integer >= 1"),
     ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
+    ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
 ])
 def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
     path = _write(tmp_path, out=str(tmp_path / "out"), **change)
@@ -136,7 +137,8 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert summary["mha"]["seeds"] == "2"
     assert float(summary["mha"]["val_loss_mean"]) == pytest.approx(sum(losses) / 2)
     assert float(summary["mha"]["val_loss_hi"]) == pytest.approx(sum(losses) / 2 + half)
-    assert {"recall_d8_lo", "recall_mean_hi", "train_tokens_per_s_std"} <= set(summary["mqa"])
+    assert {"recall_d8_lo", "recall_mean_hi", "train_tokens_per_s_std", "val_loss_x4_mean",
+            "recall_x2_d80_hi"} <= set(summary["mqa"])
     mha, mqa = results[0], results[2]
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
     assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
@@ -150,6 +152,10 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
         assert 0 < r["val_loss"] < 6 and r["val_loss"] == r["curve"][-1][1]
         assert r["params"] > 0 and r["train_tokens_per_s"] > 0 and r["decode_ms"] is None
         assert set(r["recall"]) == {"8", "40"}
+        # beyond the training length (48): loss at 96 and 192 tokens, facts 2x / 4x back
+        assert {m: set(b["recall"]) for m, b in r["beyond"].items()} == {
+            "2": {"16", "80"}, "4": {"32", "160"}}
+        assert all(0 < b["val_loss"] < 8 for b in r["beyond"].values())
     assert results[0]["val_loss"] != results[1]["val_loss"]  # seeds differ
     for png in ("pareto.png", "recall.png", "curves.png"):
         assert os.path.getsize(out / png) > 1000
