@@ -35,9 +35,9 @@ import csv
 import dataclasses
 import hashlib
 import itertools
+import io
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import kvbytes, plan, progress, recall, seedstats
+from dsattn import kvbytes, plan, progress, recall, runlog, seedstats
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
@@ -273,29 +273,14 @@ def kv_figures(cfg) -> dict:
 
 def _curve(run_dir: Path) -> list[list[float]]:
     """Held-out loss along training, from metrics.jsonl (the last record per step wins)."""
-    points = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            if "val_loss" in rec:
-                points[rec["step"]] = rec["val_loss"]
+    points = {r["step"]: r["val_loss"] for r in runlog.records(run_dir) if "val_loss" in r}
     return [[s, points[s]] for s in sorted(points)]
 
 
 def _tokens_per_s(run_dir: Path):
     """Median training tokens/s over the run's metrics records (the Trainer times the steps
     between records; compile, validation and checkpoint time are not in it)."""
-    rates = []
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else ():
-        try:
-            rates.append(float(json.loads(line)["tokens_per_s"]))
-        except (ValueError, KeyError, TypeError):  # a line cut by a kill
-            continue
+    rates = [float(r["tokens_per_s"]) for r in runlog.records(run_dir) if "tokens_per_s" in r]
     return float(np.median(rates)) if rates else None
 
 
@@ -374,9 +359,7 @@ def _check_finished(sweep: Sweep) -> None:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
+    runlog.atomic_write(path, json.dumps(obj, indent=1))
 
 
 def flat(result: dict) -> dict:
@@ -428,13 +411,11 @@ def row_summaries(results: list[dict]) -> dict:
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fields)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    w = csv.DictWriter(text, list(dict.fromkeys(k for r in rows for k in r)))
+    w.writeheader()
+    w.writerows(rows)
+    runlog.atomic_write(path, text.getvalue())
 
 
 def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
