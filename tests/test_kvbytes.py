@@ -35,7 +35,7 @@ def preset(name: str, overrides=()):
         ("v4_1_flash", 890, 3_200),  # (3/2 + 1) x (288 + 68)
     ],
 )
-def test_seed_storage_per_token(name, deployed, bf16):
+def test_full_size_storage_per_token(name, deployed, bf16):
     cfg = preset(name)
     assert kvbytes.storage_per_token(cfg) == deployed
     assert kvbytes.storage_per_token(cfg, bf16=True) == bf16
@@ -45,7 +45,7 @@ def test_seed_storage_per_token(name, deployed, bf16):
     assert rep["storage_bf16_bytes_per_token"] == bf16
 
 
-def test_seed_storage_exact_fraction():
+def test_full_size_storage_exact_fraction():
     cfg = preset("v4_flash")
     exact = sum(kvbytes.storage_per_layer_exact(cfg), Fraction(0))
     assert exact == Fraction(14057, 4)  # 3,514.25 exactly
@@ -53,7 +53,7 @@ def test_seed_storage_exact_fraction():
     assert kvbytes.report(preset("v4_1_flash"), N)["storage_layers"] == 4  # the Full layers
 
 
-def test_seed_item_sizes():
+def test_full_size_item_sizes():
     # Bytes of one cache item in one layer, in the presets' deployed formats.
     v32, v4, v41 = preset("v3_2"), preset("v4_flash"), preset("v4_1_flash")
     assert kvbytes.item_bytes(v32, 0) == {"local": 0, "main": 656, "key": 132}  # dsa
@@ -64,7 +64,7 @@ def test_seed_item_sizes():
 
 
 # ------------------------------------------------------------ full-size presets, local window
-def test_seed_local_bytes_and_crossover():
+def test_full_size_local_bytes_and_crossover():
     v4, v41 = kvbytes.report(preset("v4_flash"), N), kvbytes.report(preset("v4_1_flash"), N)
     assert v4["local_bytes"] == 43 * 128 * 584
     assert v41["local_bytes"] == 40 * 128 * 528
@@ -89,7 +89,7 @@ def test_seed_local_bytes_and_crossover():
         ("v4_1_flash", 8_306_688, 26_738_688),
     ],
 )
-def test_seed_reads(name, kv, keys):
+def test_full_size_reads(name, kv, keys):
     rep = kvbytes.report(preset(name), N)
     assert rep["read_kv_bytes"] == kv
     assert rep["read_key_bytes"] == keys
@@ -97,7 +97,7 @@ def test_seed_reads(name, kv, keys):
     assert isinstance(rep["read_bytes"], int)
 
 
-def test_seed_read_breakdowns():
+def test_full_size_read_breakdowns():
     v4 = kvbytes.report(preset("v4_flash"), N)
     # (21 x (512 + 128) + 20 x (N/128 + 128) + 2 x 128) items at 584 B
     assert v4["window_read"] == 43 * 128
@@ -111,7 +111,7 @@ def test_seed_read_breakdowns():
     assert round(100 * v32["read_key_share"]) == 93  # search keys are about 93% of the reads
 
 
-def test_seed_bf16_reads():
+def test_full_size_bf16_reads():
     # All-BF16 reads: the same item counts at BF16 sizes.
     v32 = kvbytes.report(preset("v3_2"), N)
     assert v32["read_bf16_kv_bytes"] == 61 * 2048 * 1152
