@@ -377,14 +377,11 @@ def flat(result: dict) -> dict:
     return out
 
 
-METRICS = ("val_loss", "recall_mean", "train_tokens_per_s", "decode_ms")
-
-
 def _metrics(result: dict) -> dict:
     """A run's metrics that vary with the seed: the scalars, mean recall and recall per
-    distance."""
+    distance, and the same beyond the training length."""
     acc = result.get("recall") or {}
-    out = {k: result.get(k) for k in METRICS if k != "recall_mean"}
+    out = {k: result.get(k) for k in ("val_loss", "train_tokens_per_s", "decode_ms")}
     out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
     out.update({f"recall_d{d}": a for d, a in acc.items()})
     out.update(_beyond(result))
@@ -518,10 +515,11 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
-def _band(ax, xs, runs: np.ndarray, colour) -> None:
+def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
     """The mean over seeds (rows of `runs`) as a line, its 95% interval as a band."""
     st = [seedstats.summary(col) for col in runs.T]
-    ax.plot(xs, [x["mean"] for x in st], "o-" if len(xs) < 20 else "-", color=colour)
+    ax.plot(xs, [x["mean"] for x in st], "o-" if len(xs) < 20 else "-", color=colour,
+            label=label)
     if runs.shape[0] > 1:
         ax.fill_between(xs, [x["lo"] for x in st], [x["hi"] for x in st], color=colour,
                         alpha=0.2)
@@ -573,8 +571,8 @@ def plots(out, results: list[dict]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, rs in rows.items():
         ds = sorted(int(d) for d in rs[0]["recall"])
-        _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name])
-        ax.lines[-1].set_label(name)
+        _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name],
+              name)
     ax.axhline(recall.CHANCE, color="grey", ls=":", label="chance")
     ax.set_xlabel("fact-to-query distance (bytes)")
     ax.set_ylabel("recall accuracy on answer bytes (fraction)")
@@ -589,8 +587,7 @@ def plots(out, results: list[dict]) -> list[Path]:
         if not steps:
             continue
         _band(ax, steps, np.array([[dict(map(tuple, r["curve"]))[s] for s in steps]
-                                   for r in rs]), col[name])
-        ax.lines[-1].set_label(name)
+                                   for r in rs]), col[name], name)
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title("held-out loss during training (mean, band: 95% interval over seeds)")
