@@ -46,6 +46,10 @@ CHANCE = 1 / len(VALUE_ALPHABET)
 MAX_DIST = (len(KEY_ALPHABET) ** KEY_LEN - 1) * PAIR_LEN
 MQAR_KEY0, MQAR_VALUE0 = 128, 192  # format=mqar: keys and values, disjoint byte ranges
 MQAR_UNIT = 2  # format=mqar: a fact or query is `key value`
+# format=mqar,joint=1: a fact is `J n`, J = MQAR_JOINT0 + key * values + value one token for
+# the pair (n: a noise byte), a query `key value` with keys from MQAR_JKEY0 and values from
+# MQAR_JVALUE0: the answer is one attention hop from the query's key (no induction circuit).
+MQAR_JOINT0, MQAR_JKEY0, MQAR_JVALUE0 = 128, 0x10, 0x40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RecallSpec:
     keys: int = 64  # key vocabulary (bytes MQAR_KEY0..)
     values: int = 64  # value vocabulary (bytes MQAR_VALUE0..)
     other_weight: float = 0.0  # loss weight of targets that are not answers (answers: 1)
+    joint: int = 0  # 1: a fact is one token for the (key, value) pair (single-hop recall)
 
 
 def parse_source(source: str) -> RecallSpec:
@@ -107,7 +112,12 @@ def _check_mqar(spec: RecallSpec) -> RecallSpec:
     if not 1 <= spec.pairs <= min(spec.keys, spec.block // (2 * u)):
         raise ConfigError(f"data.source: recall pairs must be in [1, min(keys, block / 4)], "
                           f"got {spec.pairs}")
-    if not 2 <= spec.keys <= MQAR_VALUE0 - MQAR_KEY0 or not 2 <= spec.values <= 256 - MQAR_VALUE0:
+    if spec.joint:
+        if not (2 <= spec.keys <= 16 and 2 <= spec.values <= 16
+                and spec.keys * spec.values <= 256 - MQAR_JOINT0):
+            raise ConfigError(f"data.source: recall joint=1 needs keys, values in [2, 16] and "
+                              f"keys * values <= 128, got {spec.keys}, {spec.values}")
+    elif not 2 <= spec.keys <= MQAR_VALUE0 - MQAR_KEY0 or not 2 <= spec.values <= 256 - MQAR_VALUE0:
         raise ConfigError(f"data.source: recall keys and values must be in [2, 64], got "
                           f"{spec.keys}, {spec.values}")
     if not 0 <= spec.other_weight <= 1 or spec.length < 4 * spec.block:
@@ -182,13 +192,29 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
         facts.append(f * u)
         queries.append((f + du) * u)
     facts, queries = np.array(facts, np.int64), np.array(queries, np.int64)
-    keys = MQAR_KEY0 + rng.permutation(spec.keys)[:len(facts)]
-    vals = MQAR_VALUE0 + rng.integers(0, spec.values, len(facts))
-    out[facts], out[facts + 1] = keys, vals
-    out[queries], out[queries + 1] = keys, vals
+    k = rng.permutation(spec.keys)[:len(facts)]
+    v = rng.integers(0, spec.values, len(facts))
+    _write_fact(out, facts, k, v, spec)
+    out[queries], out[queries + 1] = _key_token(k, spec), _value_token(v, spec)
     answer = np.zeros(spec.block, bool)
     answer[queries + 1] = True
     return out, answer, facts, queries
+
+
+def _key_token(k, spec):
+    return (MQAR_JKEY0 if spec.joint else MQAR_KEY0) + k
+
+
+def _value_token(v, spec):
+    return (MQAR_JVALUE0 if spec.joint else MQAR_VALUE0) + v
+
+
+def _write_fact(out, starts, k, v, spec):
+    """Facts of keys k (indices) and values v at `starts` (the noise after a joint stays)."""
+    if spec.joint:
+        out[starts] = MQAR_JOINT0 + k * spec.values + v
+    else:
+        out[starts], out[starts + 1] = _key_token(k, spec), _value_token(v, spec)
 
 
 def mqar_stream(n_blocks: int, spec: RecallSpec, rng) -> tuple:
@@ -308,8 +334,8 @@ def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None
 
 def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> Probes:
     """format=mqar probes: the first seq_len tokens of a block (of `background`, block
-    aligned, or a fresh one) with a fact of a key the row lacks planted at q - d and its query
-    at q = seq_len - 2, so the answer is the row's last token."""
+    aligned, or a fresh one) with a fact planted at q - d and its query at q = seq_len - 2, so
+    the answer is the row's last token; other units with the probe's key become noise."""
     u = MQAR_UNIT
     if seq_len > spec.block or seq_len % u:
         raise ValueError(f"probes: mqar rows of {seq_len} tokens must be even and <= block "
@@ -326,11 +352,16 @@ def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> 
         for _ in range(n_per_distance):
             s = int(rng.integers(0, n_blocks)) * spec.block
             row = np.array(background[s:s + seq_len], np.int32)
-            used = set(row[(row >= MQAR_KEY0) & (row < MQAR_KEY0 + spec.keys)].tolist())
-            key = int(rng.choice([k for k in range(MQAR_KEY0, MQAR_KEY0 + spec.keys)
-                                  if k not in used]))
-            val = MQAR_VALUE0 + int(rng.integers(0, spec.values))
-            row[q - d], row[q - d + 1], row[q], row[q + 1] = key, val, key, val
+            key = int(rng.integers(0, spec.keys))
+            val = int(rng.integers(0, spec.values))
+            # the probe's key occurs nowhere else: its other pair (if any) becomes noise
+            hit = row == _key_token(key, spec)
+            if spec.joint:
+                hit |= (row - MQAR_JOINT0) // spec.values == key
+            for i in np.flatnonzero(hit):
+                row[i:i + u] = rng.choice(NOISE_ALPHABET, len(row[i:i + u]))
+            _write_fact(row, np.array([q - d]), np.array([key]), np.array([val]), spec)
+            row[q], row[q + 1] = _key_token(key, spec), _value_token(val, spec)
             rows.append(row)
             answers.append([q + 1])
             dists.append(d)
