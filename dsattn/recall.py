@@ -68,6 +68,7 @@ class RecallSpec:
     values: int = 64  # value vocabulary (bytes MQAR_VALUE0..)
     other_weight: float = 0.0  # loss weight of targets that are not answers (answers: 1)
     joint: int = 0  # 1: a fact is one token for the (key, value) pair (single-hop recall)
+    copy: float = 0.0  # > 0: noise units repeat their byte (`x x`), the second x weighs this
 
 
 def parse_source(source: str) -> RecallSpec:
@@ -177,6 +178,8 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
     fact slot whose query slot is also free; a pair that finds none is redrawn (a few times)."""
     u, n_units = MQAR_UNIT, spec.block // MQAR_UNIT
     out = rng.choice(NOISE_ALPHABET, spec.block).astype(np.int32)
+    if spec.copy:  # `x x`: the second byte is a copy of the one before (a local target)
+        out[1::u] = out[0::u]
     busy = np.zeros(n_units, bool)
     lo, hi = -(-spec.min_dist // u), spec.max_dist // u  # distances in units
     facts, queries = [], []
@@ -196,8 +199,11 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
     v = rng.integers(0, spec.values, len(facts))
     _write_fact(out, facts, k, v, spec)
     out[queries], out[queries + 1] = _key_token(k, spec), _value_token(v, spec)
-    answer = np.zeros(spec.block, bool)
-    answer[queries + 1] = True
+    answer = np.zeros(spec.block, np.float32)
+    if spec.copy:
+        answer[1::u] = spec.copy
+        answer[facts + 1] = 0.0
+    answer[queries + 1] = 1.0
     return out, answer, facts, queries
 
 
@@ -222,8 +228,8 @@ def mqar_stream(n_blocks: int, spec: RecallSpec, rng) -> tuple:
     weight of predicting token p: 1 at answers, spec.other_weight elsewhere."""
     blocks = [mqar_block(spec, rng)[:2] for _ in range(n_blocks)]
     tokens = np.concatenate([b[0] for b in blocks])
-    weights = np.where(np.concatenate([b[1] for b in blocks]), 1.0,
-                       spec.other_weight).astype(np.float32)
+    weights = np.concatenate([b[1] for b in blocks])
+    weights = np.where(weights > 0, weights, spec.other_weight).astype(np.float32)
     return tokens, weights
 
 
@@ -359,7 +365,8 @@ def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> 
             if spec.joint:
                 hit |= (row - MQAR_JOINT0) // spec.values == key
             for i in np.flatnonzero(hit):
-                row[i:i + u] = rng.choice(NOISE_ALPHABET, len(row[i:i + u]))
+                row[i:i + u] = (rng.choice(NOISE_ALPHABET) if spec.copy
+                                else rng.choice(NOISE_ALPHABET, len(row[i:i + u])))
             _write_fact(row, np.array([q - d]), np.array([key]), np.array([val]), spec)
             row[q], row[q + 1] = _key_token(key, spec), _value_token(val, spec)
             rows.append(row)
