@@ -12,8 +12,8 @@ seconds since start, the step's loss, mean accuracy and accuracy per distance. T
 goes to --out (JSON) as well.
 
 --stages LEN:STEPS,... (format=mqar): a curriculum of shorter sequences first. Each stage
-trains its STEPS on blocks of LEN tokens (block=LEN, max_dist capped at LEN - 2, pairs scaled
-by LEN / block, batch scaled by block / LEN so a step has as many tokens), resuming the same
+trains its STEPS on blocks of LEN tokens (block=LEN, max_dist capped at LEN - 2, pairs capped
+at LEN / 8, batch scaled by block / LEN so a step has as many tokens), resuming the same
 run (one learning-rate schedule over train.steps); the rest of train.steps use the config.
 Probes are always the final ones (train.seq_len).
 """
@@ -99,7 +99,7 @@ def _stage_cfg(cfg, spec, n: int):
     head, _, tail = cfg.data.source.partition(":")
     kv = dict(item.split("=", 1) for item in filter(None, tail.split(",")))
     kv.update(block=n, max_dist=min(spec.max_dist, n - 2), min_dist=min(spec.min_dist, n - 2),
-              pairs=max(1, spec.pairs * n // spec.block))
+              pairs=max(1, min(spec.pairs, n // 8)))
     source = head + ":" + ",".join(f"{k}={v}" for k, v in kv.items())
     train = dataclasses.replace(cfg.train, seq_len=n,
                                 batch_size=cfg.train.batch_size * cfg.train.seq_len // n)
