@@ -68,7 +68,9 @@ class RecallSpec:
     values: int = 64  # value vocabulary (bytes MQAR_VALUE0..)
     other_weight: float = 0.0  # loss weight of targets that are not answers (answers: 1)
     joint: int = 0  # 1: a fact is one token for the (key, value) pair (single-hop recall)
-    copy: float = 0.0  # > 0: noise units repeat their byte (`x x`), the second x weighs this
+    # > 0: noise units come in repeated pairs `a b a b`; the repeat's `b` weighs this (a local
+    # target a previous-token head predicts: it trains the first hop of the induction circuit)
+    repeat: float = 0.0
 
 
 def parse_source(source: str) -> RecallSpec:
@@ -178,8 +180,6 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
     fact slot whose query slot is also free; a pair that finds none is redrawn (a few times)."""
     u, n_units = MQAR_UNIT, spec.block // MQAR_UNIT
     out = rng.choice(NOISE_ALPHABET, spec.block).astype(np.int32)
-    if spec.copy:  # `x x`: the second byte is a copy of the one before (a local target)
-        out[1::u] = out[0::u]
     busy = np.zeros(n_units, bool)
     lo, hi = -(-spec.min_dist // u), spec.max_dist // u  # distances in units
     facts, queries = [], []
@@ -200,9 +200,13 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
     _write_fact(out, facts, k, v, spec)
     out[queries], out[queries + 1] = _key_token(k, spec), _value_token(v, spec)
     answer = np.zeros(spec.block, np.float32)
-    if spec.copy:
-        answer[1::u] = spec.copy
-        answer[facts + 1] = 0.0
+    if spec.repeat:  # `a b a b`: the second b is the token before its predicting position
+        copied = np.zeros(n_units, bool)
+        for i in range(1, n_units):
+            if not (busy[i] or busy[i - 1] or copied[i - 1]):
+                out[i * u:(i + 1) * u] = out[(i - 1) * u:i * u]
+                answer[i * u + 1] = spec.repeat
+                copied[i] = True
     answer[queries + 1] = 1.0
     return out, answer, facts, queries
 
@@ -365,8 +369,7 @@ def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> 
             if spec.joint:
                 hit |= (row - MQAR_JOINT0) // spec.values == key
             for i in np.flatnonzero(hit):
-                row[i:i + u] = (rng.choice(NOISE_ALPHABET) if spec.copy
-                                else rng.choice(NOISE_ALPHABET, len(row[i:i + u])))
+                row[i:i + u] = rng.choice(NOISE_ALPHABET, len(row[i:i + u]))
             _write_fact(row, np.array([q - d]), np.array([key]), np.array([val]), spec)
             row[q], row[q + 1] = _key_token(key, spec), _value_token(val, spec)
             rows.append(row)

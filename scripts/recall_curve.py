@@ -83,8 +83,9 @@ def main(argv=None):
                          "val_loss": last.get("val_loss"),
                          "mean_acc": sum(acc.values()) / len(acc), "acc": acc}
                 curve.append(point)
+                ce = float("nan") if point["loss"] is None else point["loss"]  # 0.0 is a loss
                 print(f"step {tr.step:5d} train {train_s:6.1f}s wall {point['wall_s']:6.1f}s "
-                      f"ce {point['loss'] or float('nan'):.3f} mean {point['mean_acc']:.3f} | "
+                      f"ce {ce:.3f} mean {point['mean_acc']:.3f} | "
                       + " ".join(f"{d}:{a:.2f}" for d, a in acc.items()), flush=True)
                 if args.out:
                     Path(args.out).write_text(json.dumps({"config": cfg.to_dict(), "curve": curve},

@@ -148,3 +148,22 @@ def test_mqar_probes_and_weighted_loss():
         __import__("jax").nn.softmax(model(b["inputs"]), -1)), b["targets"][..., None], -1))[..., 0]
     w = b["weights"]
     assert np.isclose(float(loss_fn(model, b)[1]["ce"]), (nll * w).sum() / w.sum(), rtol=1e-4)
+
+
+def test_mqar_joint_and_repeat():
+    # joint=1: a fact is one token J = JOINT0 + key * values + value; the query `key value`
+    spec = recall.parse_source("recall:format=mqar,joint=1,block=64,pairs=8,keys=8,values=16,"
+                               "min_dist=2,max_dist=62,length=6400")
+    tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(1))
+    j = tokens[facts] - recall.MQAR_JOINT0
+    assert np.array_equal(tokens[queries], recall.MQAR_JKEY0 + j // 16)
+    assert np.array_equal(tokens[queries + 1], recall.MQAR_JVALUE0 + j % 16)
+    assert np.flatnonzero(answer).tolist() == sorted((queries + 1).tolist())
+    # repeat=W: noise units come as `a b a b`, the repeat's b (the token before its predicting
+    # position) weighs W; answers still weigh 1
+    spec = recall.parse_source(MQAR + ",repeat=0.5")
+    tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(2))
+    rep = np.flatnonzero(answer == 0.5)
+    assert len(rep) and (rep % 2 == 1).all()
+    assert (tokens[rep] == tokens[rep - 2]).all() and (tokens[rep - 1] == tokens[rep - 3]).all()
+    assert np.flatnonzero(answer == 1).tolist() == sorted((queries + 1).tolist())
