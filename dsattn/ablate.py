@@ -12,6 +12,7 @@ rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
     seeds: [0, 1]
     recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
     decode_context: 4096                         # 0: no decode timing
+    lengths: [2, 4]                              # also evaluated at 2x, 4x train.seq_len
 
 Every file is validated whole before any training: unknown keys, duplicate row names and
 overrides that fail config validation raise ConfigError naming the row and key. Runs live in
@@ -19,7 +20,11 @@ overrides that fail config validation raise ConfigError naming the row and key. 
 sees the same batches (batches are a function of (train.seed, step) and recall streams have
 their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
 its checkpoint; a finished run whose config or measurement settings changed since is refused
-(another --out). results.json / results.csv are rewritten after every run, plots at the end.
+(another --out). results.json / results.csv (one line per run) and summary.csv (one line per
+row: mean, standard deviation and 95% interval over its seeds of every metric,
+dsattn.seedstats) are rewritten after every run, plots at the end. Every run is also evaluated
+beyond its training length (`lengths`, multiples of train.seq_len): held-out loss, and recall
+with probes as many times longer and facts as many times farther back.
 A second process on the same sweep directory is refused (RunDirLocked naming the holder's
 pid), as a second writer of a run directory is.
 """
@@ -30,8 +35,9 @@ import csv
 import dataclasses
 import hashlib
 import itertools
+import io
 import json
-import os
+import math
 import re
 import time
 from pathlib import Path
@@ -40,11 +46,11 @@ import numpy as np
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import kvbytes, plan, progress, recall
+from dsattn import kvbytes, plan, progress, recall, runlog, seedstats
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
-              "decode_context", "out")
+              "decode_context", "lengths", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len")
 CONTEXTS = {"8k": 8192, "128k": 131072}
 # Sections whose overrides keep a meaning at full size (model shape, training and data don't).
@@ -70,6 +76,7 @@ class Sweep:
     probe_len: int
     decode_context: int
     out: Path
+    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
 
     def config(self, row: Row, seed: int):
         return config_lib.load(self.base, [*self.overrides, *row.overrides,
@@ -164,11 +171,17 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     decode = raw.get("decode_context", 4096)
     if not isinstance(decode, int) or decode < 0:
         raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
+    lengths = raw.get("lengths", [2, 4])
+    if not isinstance(lengths, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in lengths):
+        raise ConfigError(f"lengths: expected a list of integers >= 2 (multiples of "
+                          f"train.seq_len), got {lengths!r}")
     name = str(raw.get("name", default_name))
     sweep = Sweep(name=name, base=str(raw["base"]), full_size=raw.get("full_size"),
                   overrides=shared, rows=tuple(rows), seeds=tuple(seeds),
                   distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
                   probe_len=rc.get("seq_len", 0), decode_context=decode,
+                  lengths=tuple(dict.fromkeys(lengths)),
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
 
@@ -260,35 +273,31 @@ def kv_figures(cfg) -> dict:
 
 def _curve(run_dir: Path) -> list[list[float]]:
     """Held-out loss along training, from metrics.jsonl (the last record per step wins)."""
-    points = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            if "val_loss" in rec:
-                points[rec["step"]] = rec["val_loss"]
+    points = {r["step"]: r["val_loss"] for r in runlog.records(run_dir) if "val_loss" in r}
     return [[s, points[s]] for s in sorted(points)]
 
 
 def _tokens_per_s(run_dir: Path):
     """Median training tokens/s over the run's metrics records (the Trainer times the steps
     between records; compile, validation and checkpoint time are not in it)."""
-    rates = []
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else ():
-        try:
-            rates.append(float(json.loads(line)["tokens_per_s"]))
-        except (ValueError, KeyError, TypeError):  # a line cut by a kill
-            continue
+    rates = [float(r["tokens_per_s"]) for r in runlog.records(run_dir) if "tokens_per_s" in r]
     return float(np.median(rates)) if rates else None
+
+
+def _held_out_loss(model, cfg, seq_len: int) -> float | None:
+    """Nats per token of the validation split at `seq_len` (None if the split is shorter)."""
+    from dsattn import evaluate
+
+    try:
+        return evaluate.evaluate(model, cfg, [seq_len])[0]["nats_per_token"]
+    except DsattnError:  # the validation split holds fewer than seq_len + 1 tokens
+        return None
 
 
 def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False,
             progress_every: int | None = None) -> dict:
-    """Train (or resume) one run and measure it."""
+    """Train (or resume) one run and measure it; `probes` by multiple of the training
+    length (1: the sweep's own)."""
     import jax
 
     from dsattn.bench import measures as bench
@@ -302,7 +311,10 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
     else:  # trained to the end before a kill took the measurements
         val_loss = trainer.validation_loss()
     model = trainer.model()
-    acc = recall.accuracy(model, probes)
+    acc = recall.accuracy(model, probes[1])
+    beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
+                       "recall": {str(d): a for d, a in recall.accuracy(model, p).items()}}
+              for m, p in probes.items() if m > 1}
     decode_ms = None
     if sweep.decode_context:
         decode_ms = bench.time_decode(model, sweep.decode_context, batch=1, steps=5,
@@ -315,6 +327,7 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
         "train_tokens_per_s": _tokens_per_s(run_dir),
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
+        "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,
         "full_overrides_applied": applied, "full_overrides_skipped": skipped,
@@ -327,7 +340,7 @@ def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
     """What a finished run's numbers depend on: its config and the sweep's measurements."""
     what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
             "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
-            "decode_context": sweep.decode_context,
+            "decode_context": sweep.decode_context, "lengths": sweep.lengths,
             "full_size": sweep.full_size and Path(sweep.full_size).name}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -346,9 +359,7 @@ def _check_finished(sweep: Sweep) -> None:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
+    runlog.atomic_write(path, json.dumps(obj, indent=1))
 
 
 def flat(result: dict) -> dict:
@@ -357,6 +368,7 @@ def flat(result: dict) -> dict:
                                       "train_tokens_per_s", "decode_context", "decode_ms",
                                       "wall_s")}
     out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
+    out.update(_beyond(result))
     out.update(result.get("kv") or {})
     out.update({f"full_{k}": v for k, v in (result.get("kv_full") or {}).items()})
     out["overrides"] = " ".join(result.get("overrides", []))
@@ -365,16 +377,55 @@ def flat(result: dict) -> dict:
     return out
 
 
+def _metrics(result: dict) -> dict:
+    """A run's metrics that vary with the seed: the scalars, mean recall and recall per
+    distance, and the same beyond the training length."""
+    acc = result.get("recall") or {}
+    out = {k: result.get(k) for k in ("val_loss", "train_tokens_per_s", "decode_ms")}
+    out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
+    out.update({f"recall_d{d}": a for d, a in acc.items()})
+    out.update(_beyond(result))
+    return out
+
+
+def _beyond(result: dict) -> dict:
+    """Columns of the evaluation beyond the training length: val_loss_x2, recall_x2_d96..."""
+    out = {}
+    for m, b in (result.get("beyond") or {}).items():
+        out[f"val_loss_x{m}"] = b["val_loss"]
+        out.update({f"recall_x{m}_d{d}": a for d, a in b["recall"].items()})
+    return out
+
+
+def row_summaries(results: list[dict]) -> dict:
+    """{row: {metric: seedstats.summary}} over each row's finished seeds."""
+    out = {}
+    for name, rs in _by_row(results).items():
+        runs = [_metrics(r) for r in rs]
+        keys = list(dict.fromkeys(k for m in runs for k in m))
+        out[name] = {k: seedstats.summary([m.get(k) for m in runs]) for k in keys}
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    text = io.StringIO()
+    w = csv.DictWriter(text, list(dict.fromkeys(k for r in rows for k in r)))
+    w.writeheader()
+    w.writerows(rows)
+    runlog.atomic_write(path, text.getvalue())
+
+
 def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
-    _write_json(out / "results.json", {"sweep": sweep_name, "runs": results})
-    rows = [flat(r) for r in results]
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = out / "results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fields)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out / "results.csv")
+    summaries = row_summaries(results)
+    _write_json(out / "results.json", {"sweep": sweep_name, "runs": results, "rows": {
+        name: {k: {st: None if isinstance(v, float) and np.isnan(v) else v
+                   for st, v in m.items()} for k, m in ms.items()}
+        for name, ms in summaries.items()}})
+    _write_csv(out / "results.csv", [flat(r) for r in results])
+    _write_csv(out / "summary.csv", [
+        {"row": name, "seeds": next(iter(m.values()))["n"],
+         **{f"{k}_{stat}": v[stat] for k, v in m.items() for stat in ("mean", "std", "lo", "hi")}}
+        for name, m in summaries.items()])
 
 
 def run(sweep, overrides=(), out=None, quiet: bool = False,
@@ -402,7 +453,7 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
     (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
-    probes = _probes(sweep, cfg0)
+    probes = {m: _probes(sweep, cfg0, m) for m in (1, *sweep.lengths)}
     results = []
     jobs = [(row, seed, sweep.out / "runs" / row.name / f"seed{seed}")
             for row in sweep.rows for seed in sweep.seeds]
@@ -432,18 +483,19 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     return results
 
 
-def _probes(sweep: Sweep, cfg) -> recall.Probes:
+def _probes(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     """Recall probes shared by every run: contexts from the recall validation stream when the
-    sweep trains on one, else from a fresh noise stream."""
+    sweep trains on one, else from a fresh noise stream; with `times`, rows that many times
+    longer with facts that many times farther back (distances past recall.MAX_DIST left out)."""
     spec, background = recall.RecallSpec(), None
     if recall.is_recall(cfg.data.source):
         spec = recall.parse_source(cfg.data.source)
         background = recall.streams(cfg.data.source, cfg.data.val_fraction,
                                     cfg.data.max_bytes)[1]
-        if len(background) < sweep.probe_len:
+        if len(background) < times * sweep.probe_len:
             background = None
-    return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
-                         background)
+    dists = [times * d for d in sweep.distances if times * d <= recall.MAX_DIST]
+    return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -463,8 +515,19 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
+def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
+    """The mean over seeds (rows of `runs`) as a line, its 95% interval as a band."""
+    st = [seedstats.summary(col) for col in runs.T]
+    ax.plot(xs, [x["mean"] for x in st], "o-" if len(xs) < 20 else "-", color=colour,
+            label=label)
+    if runs.shape[0] > 1:
+        ax.fill_between(xs, [x["lo"] for x in st], [x["hi"] for x in st], color=colour,
+                        alpha=0.2)
+
+
 def plots(out, results: list[dict]) -> list[Path]:
-    """pareto.png, recall.png, curves.png: one colour per row, mean and min-max over seeds."""
+    """pareto.png, recall.png, curves.png: one colour per row, the mean over seeds and its
+    95% interval (seedstats; none with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -475,6 +538,7 @@ def plots(out, results: list[dict]) -> list[Path]:
         return []
     colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
     col = {name: colours(i % colours.N) for i, name in enumerate(rows)}
+    summaries = row_summaries(results)
     paths = []
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -483,33 +547,37 @@ def plots(out, results: list[dict]) -> list[Path]:
         x = rs[0]["kv"]["storage_bytes_per_token"]
         if x <= 0:  # window-only stacks store nothing global: no place on a log axis
             continue
-        ys = np.array([r["val_loss"] for r in rs])
-        pts.append((x, ys.mean()))
-        ax.errorbar(x, ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
-                    fmt="o", color=col[name], capsize=3, label=name)
-    front = pareto(pts)
-    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=1,
-            label="Pareto front")
-    ax.scatter([pts[i][0] for i in front], [pts[i][1] for i in front], s=160,
+        y = summaries[name]["val_loss"]
+        pts.append({"x": x, "y": y})
+        err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
+        ax.errorbar(x, y["mean"], yerr=err, fmt="o", color=col[name], capsize=3, label=name)
+    front = pareto([(p["x"], p["y"]["mean"]) for p in pts])
+    near = seedstats.overlaps_front(pts, front)
+    ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
+            label="Pareto front (means)")
+    ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
                facecolors="none", edgecolors="k")
+    if near:
+        ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
+                   facecolors="none", edgecolors="grey", linestyles="dotted",
+                   label="interval reaches the front")
     ax.set_xscale("log")
     ax.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("held-out loss vs KV bytes per token (mean, bars: min-max over seeds)")
+    ax.set_title("held-out loss vs KV bytes per token (mean, bars: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "pareto.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, rs in rows.items():
         ds = sorted(int(d) for d in rs[0]["recall"])
-        acc = np.array([[r["recall"][str(d)] for d in ds] for r in rs])
-        ax.plot(ds, acc.mean(0), "o-", color=col[name], label=name)
-        ax.fill_between(ds, acc.min(0), acc.max(0), color=col[name], alpha=0.2)
+        _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name],
+              name)
     ax.axhline(recall.CHANCE, color="grey", ls=":", label="chance")
     ax.set_xlabel("fact-to-query distance (bytes)")
     ax.set_ylabel("recall accuracy on answer bytes (fraction)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("recall accuracy vs distance (mean, band: min-max over seeds)")
+    ax.set_title("recall accuracy vs distance (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "recall.png"))
 
@@ -518,12 +586,11 @@ def plots(out, results: list[dict]) -> list[Path]:
         steps = sorted(set.intersection(*[{s for s, _ in r["curve"]} for r in rs]))
         if not steps:
             continue
-        ys = np.array([[dict(map(tuple, r["curve"]))[s] for s in steps] for r in rs])
-        ax.plot(steps, ys.mean(0), "-", color=col[name], label=name)
-        ax.fill_between(steps, ys.min(0), ys.max(0), color=col[name], alpha=0.2)
+        _band(ax, steps, np.array([[dict(map(tuple, r["curve"]))[s] for s in steps]
+                                   for r in rs]), col[name], name)
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("held-out loss during training (mean, band: min-max over seeds)")
+    ax.set_title("held-out loss during training (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "curves.png"))
     return paths
@@ -538,25 +605,56 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _mean(summaries: dict, key: str) -> float:
+    return summaries[key]["mean"] if key in summaries else math.nan
+
+
+def _interval(m: dict, fmt: str) -> str:
+    if np.isnan(m["lo"]):
+        return format(m["mean"], fmt)
+    return f"{format(m['mean'], fmt)} [{format(m['lo'], fmt)}, {format(m['hi'], fmt)}]"
+
+
 def table(results: list[dict]) -> str:
-    """Per row: seeds, loss mean ± std, KV bytes/token (own, full size), reads at 128K full
-    size, mean recall accuracy, params, tokens/s, decode ms."""
-    head = (f"{'row':<28} {'n':>2} {'loss':>14} {'B/tok':>9} {'full B/tok':>10} "
-            f"{'full rd 128K':>12} {'recall':>6} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
+    """Per row: seeds, loss and mean recall (mean [95% interval] over seeds), the held-out
+    loss at each multiple of the training length (mean), KV bytes/token
+    (own, full size), reads at 128K full size, params, tokens/s, decode ms; then each row's
+    loss and recall against the best row's, and whether the difference exceeds the spread
+    of the seeds (Welch's 95% interval excludes 0)."""
+    rows, summaries = _by_row(results), row_summaries(results)
+    times = sorted({int(m) for rs in rows.values() for r in rs for m in r.get("beyond") or {}})
+    longer = "loss " + "/".join(f"x{m}" for m in times) if times else ""
+    head = (f"{'row':<28} {'n':>2} {'loss':>26} {'recall':>22} {longer:>16} {'B/tok':>9} "
+            f"{'full B/tok':>10} {'full rd 128K':>12} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
     lines = [head, "-" * len(head)]
-    for name, rs in _by_row(results).items():
-        loss = np.array([r["val_loss"] for r in rs])
-        full = rs[0].get("kv_full") or {}
-        acc = np.mean([np.mean(list(r["recall"].values())) for r in rs])
-        tok = [r["train_tokens_per_s"] for r in rs if r.get("train_tokens_per_s")]
-        dec = [r["decode_ms"] for r in rs if r.get("decode_ms")]
+    for name, rs in rows.items():
+        m, full = summaries[name], rs[0].get("kv_full") or {}
         lines.append(
-            f"{name:<28} {len(rs):>2} {loss.mean():>7.4f}±{loss.std():<6.4f} "
+            f"{name:<28} {len(rs):>2} {_interval(m['val_loss'], '.4f'):>26} "
+            f"{_interval(m['recall_mean'], '.3f'):>22} "
+            f"{'/'.join(format(_mean(m, f'val_loss_x{t}'), '.3f') for t in times):>16} "
             f"{rs[0]['kv']['storage_bytes_per_token']:>9.1f} "
             f"{full.get('storage_bytes_per_token', float('nan')):>10.1f} "
-            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {acc:>6.3f} "
-            f"{rs[0]['params']:>8,} {np.mean(tok) if tok else float('nan'):>7.0f} "
-            f"{np.mean(dec) if dec else float('nan'):>6.2f}")
+            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {rs[0]['params']:>8,} "
+            f"{m['train_tokens_per_s']['mean']:>7.0f} {m['decode_ms']['mean']:>6.2f}")
+    if len(rows) > 1:
+        best = min(rows, key=lambda n: summaries[n]["val_loss"]["mean"])
+        lines += ["", f"against the lowest mean loss ({best}): difference [95% interval]"]
+        for name, rs in rows.items():
+            if name == best:
+                continue
+            parts = []
+            for key, label, fmt in (("val_loss", "loss", "+.4f"), ("recall_mean", "recall",
+                                                                    "+.3f")):
+                d = seedstats.difference([_metrics(r)[key] for r in rs],
+                                         [_metrics(r)[key] for r in rows[best]])
+                verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
+                           False: "within the seed spread"}[d["exceeds"]]
+                shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else
+                         f"{format(d['diff'], fmt)} [{format(d['lo'], fmt)}, "
+                         f"{format(d['hi'], fmt)}]")
+                parts.append(f"{label} {shown} ({verdict})")
+            lines.append(f"  {name}: " + "; ".join(parts))
     for r in results:
         if "error" in r:
             lines.append(f"{r['row']} seed {r['seed']}: FAILED: {r['error']}")

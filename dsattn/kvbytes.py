@@ -1,6 +1,7 @@
 """KV-cache byte accounting: storage per token, local (window) bytes, and reads per decode step.
 
-Counting rules follow seed 000 ("DeepSeek's KV Cache: From 3.9 MB to 890 B per Token").
+Counting rules: docs/design.md, "Byte accounting"; tests/test_kvbytes.py pins the figures of
+the full-size presets (configs/deepseek/), worked out by hand in their header comments.
 
 Storage per token is the *global* cache a layer adds per token of context, in the deployed
 cache formats (``cfg.cache``) or, with ``bf16=True``, with every vector stored in BF16:
@@ -15,7 +16,7 @@ cache formats (``cfg.cache``) or, with ``bf16=True``, with every vector stored i
 Every V4-family layer (swa/hca/csa/full/reindex/reuse) also keeps a local window of W
 positions in ``cache.local_format``; that is ``local_bytes``, fixed once W positions are filled.
 
-Reads for one decode step with ``context`` tokens already in the cache ("Looking at reads"):
+Reads for one decode step with ``context`` tokens already in the cache:
 each cache item a layer references is counted once per layer; a cache shared by several layers
 is counted again for every layer that reads it; heads and the K/V roles do not multiply it.
 

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dsattn import plan, sharding
-from dsattn.attention import sources
+from dsattn.attention import selectors, sources
 from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
 from dsattn.attention.layer import V4Attention
@@ -21,6 +21,8 @@ from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
+from dsattn.attention import blocks
+from dsattn.nn.remat import in_order as remat_in_order
 from dsattn.plan import Family
 
 ATTENTION = {Family.MHA: MHA, Family.MLA: MLA, Family.DSA: DSA, Family.V4: V4Attention}
@@ -32,12 +34,15 @@ def make_attention(cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
 
 
 def remat_policy(name: str):
-    """`model.remat` as a jax.checkpoint policy: None for none (no remat)."""
+    """`model.remat` as a jax.checkpoint policy: None for none (no remat). Every policy also
+    keeps the indexers' selections (small integer arrays): recomputing one would rerun the
+    indexer's O(T * S) scoring and top-k in the backward pass, for no gradient."""
     if name == "none":
         return None
-    if name == "block":  # save nothing inside: recompute the block in the backward pass
-        return jax.checkpoint_policies.nothing_saveable
-    return getattr(jax.checkpoint_policies, name)
+    cp = jax.checkpoint_policies
+    # block: save nothing inside: recompute the block in the backward pass
+    policy = cp.nothing_saveable if name == "block" else getattr(cp, name)
+    return cp.save_from_both_policies(policy, cp.save_only_these_names(selectors.SELECTION))
 
 
 def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
@@ -70,12 +75,21 @@ class Block(nnx.Module):
         self.attn = make_attention(cfg, spec, rngs)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
+        self.remat, self.token_block = remat_policy(m.remat), cfg.attention.query_block
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         """(output, aux losses, the context for the next block)."""
         a, aux, ctx = self.attn(self.attn_norm(x), positions, step, ctx)
         x = x + a
-        return _rows(x + self.ffn(self.ffn_norm(x))), aux, ctx
+        return _rows(x + self._ffn_by_blocks(x)), aux, ctx
+
+    def _ffn_by_blocks(self, x):
+        """The FFN of a training forward, under rematerialisation by blocks of tokens, so a
+        backward pass that recomputes it holds one block's hidden activations, not [T, F]."""
+        if self.remat is None:
+            return self.ffn(self.ffn_norm(x))
+        return blocks.map_queries(lambda start, h: (self.ffn(self.ffn_norm(h)), ()),
+                                  self.token_block, x, self.remat)[0]
 
     def extend(self, x, positions, valid, cache, ctx=CachedContext()):
         """(output, the layer's new cache, the context for the next block)."""
@@ -195,12 +209,16 @@ class Transformer(nnx.Module):
         def run(block, x, ctx):
             return block(x, positions, step, ctx)
 
-        remat = nnx.remat(run, policy=policy) if policy is not None else run
+        def remat(block, x, ctx):
+            graphdef, state = nnx.split(block)
+            pure = lambda st, x, ctx, pos, step: nnx.merge(graphdef, st)(x, pos, step, ctx)
+            return remat_in_order(pure, policy)(state, x, ctx, positions, step)
+
         for unit, block in zip(self.units, self.blocks):
             if unit.start == self.cfg.attention.ced_split and unit.start:
                 ctx = StackContext(encoder_out=x)  # decoder: global KV from the encoder
             # a scanned group rematerialises its scan body itself
-            x, aux, ctx = (run if unit.scanned else remat)(block, x, ctx)
+            x, aux, ctx = (run if unit.scanned or policy is None else remat)(block, x, ctx)
             auxes.extend(aux if unit.scanned else [aux])
         logits = self.embedding.logits(self.norm(x))
         return sharding.constrain(logits, ("batch", "seq", "vocab")), auxes

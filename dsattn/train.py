@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsattn import checkpoint, data, progress, sharding, tblog
+from dsattn import checkpoint, data, progress, runlog, sharding, tblog
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -90,14 +90,6 @@ def loss_fn(model: Transformer, batch: dict, step=None):
             total = total + value
     metrics["loss"] = total
     return total, metrics
-
-
-def _logged_step(line: str) -> float:
-    """A metrics.jsonl line's step; inf if it is not a record (a killed run's half line)."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return math.inf
 
 
 class Trainer:
@@ -243,15 +235,7 @@ class Trainer:
 
     def _cut_metrics(self):
         """Drop records past the restored step: the rerun logs those steps again."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines()
-        keep = [line for line in lines if _logged_step(line) <= self.step]
-        if len(keep) < len(lines):
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)  # atomic: a kill now leaves the old file or the new one
+        runlog.cut(self.run_dir, self.step)
 
     # -- pure functions ------------------------------------------------------------------
     def _model(self, params) -> Transformer:
@@ -325,7 +309,7 @@ class Trainer:
     def _log(self, record: dict):
         if not self.primary:
             return
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / runlog.METRICS
         try:
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")

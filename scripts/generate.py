@@ -3,10 +3,13 @@
 
     python scripts/generate.py RUN_DIR [--prompt TEXT | --prompt-file FILE] [--max-new 200]
         [--step S] [--max-len L] [--temperature 0.8] [--top-p 0.95] [--seed 0] [--stop TEXT]
+        [KEY=VALUE ...]
 
 Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint, then writes the prompt and
 its continuation to stdout as raw bytes while they are produced (tokens are bytes), and the
-speed to stderr.
+speed to stderr. KEY=VALUE overrides may change how the run executes, not the model: its
+layout (model.scan_layers=false decodes unrolled, faster for MHA at long context on a CPU)
+or block sizes (attention.query_block).
 """
 
 import sys
@@ -19,7 +22,7 @@ from dsattn import cli  # noqa: E402
 
 
 def parser():
-    ap = cli.parser(__doc__)
+    ap = cli.parser(__doc__, overrides=True)
     ap.add_argument("run_dir", help="a run directory written by scripts/train.py")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def ", help="prompt text, UTF-8 (default: 'def ')")
@@ -57,7 +60,7 @@ def main(argv=None):
         ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
     from dsattn import data, generate  # after parsing: usage errors need no JAX start-up
 
-    model, cfg, step = cli.load_run(args.run_dir, args.step)
+    model, cfg, step = cli.load_run(args.run_dir, args.step, args.overrides)
     out = sys.stdout.buffer
     out.write(prompt)
     out.flush()

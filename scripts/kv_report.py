@@ -3,13 +3,13 @@
     python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out runs/kv_report]
         [KEY=VALUE ...]
 
-Prints one row per config (the byte accounting of dsattn.kvbytes, seed 000's rules): a YAML
-preset (row named by its config name) or a run directory (its config.yaml; row named by the
-run directory). "vs" is the reference's storage per token over the row's: the first row named
-mha*, else the largest. Writes into --out:
+Prints one row per config (the byte accounting of dsattn.kvbytes; docs/design.md, "Byte
+accounting"): a YAML preset (row named by its config name) or a run directory (its
+config.yaml; row named by the run directory). "vs" is the reference's storage per token over
+the row's: the first row named mha*, else the largest. Writes into --out:
   cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
-                      horizontal memory-budget line (--budget-gb, in GiB = 2^30 B, the unit seed
-                      001's figure uses: 480 GB for MHA at 128K)
+                      horizontal memory-budget line (--budget-gb, in GiB = 2^30 B; MHA with
+                      V2's dimensions, configs/deepseek/mha_v2dims.yaml, needs 480 at 128K)
   reads_per_step.png  bytes one decode step reads vs context (solid: total, dotted: search keys)
   kv_report.json      the rows (every field of dsattn.kvbytes.report plus the ratio to MHA)
 """

@@ -49,6 +49,7 @@ def _write(tmp_path, **sweep):
     ({"recall": {"per_distance": 0}}, r"recall.per_distance: expected an integer >= 1"),
     ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
+    ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
 ])
 def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
     path = _write(tmp_path, out=str(tmp_path / "out"), **change)
@@ -129,11 +130,21 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and {"val_loss", "recall_d8", "recall_d40", "read_bytes_128k",
                                "full_read_bytes_128k", "decode_ms", "params"} <= set(rows[0])
+    with open(out / "summary.csv") as f:  # per row over its two seeds: t(0.975, 1 dof)
+        summary = {r["row"]: r for r in csv.DictReader(f)}
+    losses = [r["val_loss"] for r in results[:2]]
+    half = 12.706204736174696 * abs(losses[0] - losses[1]) / 2
+    assert summary["mha"]["seeds"] == "2"
+    assert float(summary["mha"]["val_loss_mean"]) == pytest.approx(sum(losses) / 2)
+    assert float(summary["mha"]["val_loss_hi"]) == pytest.approx(sum(losses) / 2 + half)
+    assert {"recall_d8_lo", "recall_mean_hi", "train_tokens_per_s_std", "val_loss_x4_mean",
+            "recall_x2_d80_hi"} <= set(summary["mqa"])
     mha, mqa = results[0], results[2]
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
     assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
     assert mqa["kv"]["storage_bytes_per_token"] == 2 * 1 * 8 * 4
-    assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25  # seed 000's V4-Flash
+    # V4-Flash's storage per token (configs/deepseek/v4_flash.yaml, dsattn/kvbytes.py)
+    assert mha["kv_full"]["storage_bytes_per_token"] == 3514.25
     for r in results:
         # one TensorBoard run per row and seed (dsattn.tblog), so TensorBoard overlays them
         assert list((out / "runs" / r["row"] / f"seed{r['seed']}").glob("events.out.tfevents.*"))
@@ -141,6 +152,10 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
         assert 0 < r["val_loss"] < 6 and r["val_loss"] == r["curve"][-1][1]
         assert r["params"] > 0 and r["train_tokens_per_s"] > 0 and r["decode_ms"] is None
         assert set(r["recall"]) == {"8", "40"}
+        # beyond the training length (48): loss at 96 and 192 tokens, facts 2x / 4x back
+        assert {m: set(b["recall"]) for m, b in r["beyond"].items()} == {
+            "2": {"16", "80"}, "4": {"32", "160"}}
+        assert all(0 < b["val_loss"] < 8 for b in r["beyond"].values())
     assert results[0]["val_loss"] != results[1]["val_loss"]  # seeds differ
     for png in ("pareto.png", "recall.png", "curves.png"):
         assert os.path.getsize(out / png) > 1000

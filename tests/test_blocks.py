@@ -162,6 +162,41 @@ def test_training_step_memory_grows_linearly_with_the_sequence(name, extra):
     assert temp[1] <= 4.6 * temp[0], temp
 
 
+def test_remat_frees_each_unrolled_blocks_internals():
+    """With model.remat=block an unrolled block keeps only its input for the backward pass:
+    each extra layer adds its [T, D] input and its weights' gradient and update buffers to
+    the compiled step's temporaries, not the layer's internals (XLA:CPU merged a
+    straight-line recomputation with the forward pass it repeats, so remat kept everything:
+    24 [T, D] arrays per layer here, against 5 now)."""
+    from dsattn.bench import long_context
+
+    t, d, ffn = 1024, 128, 384
+    temp = [long_context.train_step_memory(long_context.at_length(
+        f"{ROOT}/configs/tiny/mha.yaml", t, "model.scan_layers=false", "model.remat=block",
+        f"model.n_layers={n}", f"model.d_model={d}", f"model.ffn_hidden={ffn}",
+        "attention.n_heads=4", "attention.n_kv_heads=4", "attention.head_dim=32"),
+        t)["temp_bytes"] for n in (2, 4)]
+    per_layer = (temp[1] - temp[0]) / 2
+    layer_params = 4 * d * d + 3 * d * ffn  # wq, wk, wv, wo; the SwiGLU's three matrices
+    assert per_layer <= 4 * (2 * t * d + 3 * layer_params), (temp, per_layer / (t * d * 4))
+
+
+def test_remat_recomputes_the_ffn_a_block_of_tokens_at_a_time():
+    """Under model.remat=block the FFN of a long sequence runs by blocks of tokens, so the
+    backward pass that recomputes it holds one block's hidden activations: doubling the FFN
+    width adds less than one whole-sequence [T, F] array to the training step's temporaries
+    (the whole-sequence FFN held 7.8 of them: gate, up, their product and its gradients)."""
+    from dsattn.bench import long_context
+
+    t, d, f = 2048, 32, 1024
+    temp = [long_context.train_step_memory(long_context.at_length(
+        f"{ROOT}/configs/tiny/mha.yaml", t, "model.n_layers=1", "model.remat=block",
+        f"model.d_model={d}", f"model.ffn_hidden={width}", "attention.n_heads=2",
+        "attention.n_kv_heads=2", "attention.head_dim=16", "attention.query_block=256"),
+        t)["temp_bytes"] for width in (f, 2 * f)]
+    assert temp[1] - temp[0] < t * f * 4, (temp, (temp[1] - temp[0]) / (t * f * 4))
+
+
 def test_signed_zero_scores_are_ties():
     """ReLU scores of exactly zero come out as +0.0 or -0.0 depending on how a dot sums them
     (one pass or by key blocks); top_k orders -0.0 below +0.0, which made the blocked and the

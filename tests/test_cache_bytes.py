@@ -26,7 +26,7 @@ def measured(cfg, max_len: int):
     """(global bytes per token per layer, local bytes in all) from the cache's value arrays.
 
     Bookkeeping (positions, page tables, lengths, free lists) is not cache content and is
-    left out, as in seed 000's accounting.
+    left out, as in dsattn.kvbytes (docs/design.md, "Byte accounting").
     """
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 1, max_len))
     typed = (contiguous.Contiguous, paged.PagedCache, ring.Ring)

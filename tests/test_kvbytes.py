@@ -1,5 +1,6 @@
-"""Byte accounting (dsattn.kvbytes): seed 000's figures from the full-size presets, exactly,
-plus small configs whose bytes are worked out by hand, and a smoke test of kv_report."""
+"""Byte accounting (dsattn.kvbytes): the figures of the full-size presets (configs/deepseek/,
+worked out in their header comments), exactly, plus small configs whose bytes are worked out
+by hand, and a smoke test of kv_report."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from dsattn.config import load, loads
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "configs" / "deepseek"
-N = 131072  # seed 000's 128K context
+N = 131072  # a 128K context
 
 
 def preset(name: str, overrides=()):
     return load(PRESETS / f"{name}.yaml", overrides)
 
 
-# ------------------------------------------------------------------ seed 000, storage per token
+# ------------------------------------------------------------ full-size presets, storage per token
 @pytest.mark.parametrize(
     "name, deployed, bf16",
     [
@@ -34,7 +35,7 @@ def preset(name: str, overrides=()):
         ("v4_1_flash", 890, 3_200),  # (3/2 + 1) x (288 + 68)
     ],
 )
-def test_seed_storage_per_token(name, deployed, bf16):
+def test_full_size_storage_per_token(name, deployed, bf16):
     cfg = preset(name)
     assert kvbytes.storage_per_token(cfg) == deployed
     assert kvbytes.storage_per_token(cfg, bf16=True) == bf16
@@ -44,7 +45,7 @@ def test_seed_storage_per_token(name, deployed, bf16):
     assert rep["storage_bf16_bytes_per_token"] == bf16
 
 
-def test_seed_storage_exact_fraction():
+def test_full_size_storage_exact_fraction():
     cfg = preset("v4_flash")
     exact = sum(kvbytes.storage_per_layer_exact(cfg), Fraction(0))
     assert exact == Fraction(14057, 4)  # 3,514.25 exactly
@@ -52,8 +53,8 @@ def test_seed_storage_exact_fraction():
     assert kvbytes.report(preset("v4_1_flash"), N)["storage_layers"] == 4  # the Full layers
 
 
-def test_seed_item_sizes():
-    # The format lines under seed 000's bars: bytes of one item in one layer.
+def test_full_size_item_sizes():
+    # Bytes of one cache item in one layer, in the presets' deployed formats.
     v32, v4, v41 = preset("v3_2"), preset("v4_flash"), preset("v4_1_flash")
     assert kvbytes.item_bytes(v32, 0) == {"local": 0, "main": 656, "key": 132}  # dsa
     assert kvbytes.item_bytes(v4, 2) == {"local": 584, "main": 584, "key": 68}  # csa
@@ -62,12 +63,12 @@ def test_seed_item_sizes():
     assert kvbytes.item_bytes(v41, 3) == {"local": 528, "main": 288, "key": 0}  # reuse
 
 
-# ------------------------------------------------------------------ seed 000, local window
-def test_seed_local_bytes_and_crossover():
+# ------------------------------------------------------------ full-size presets, local window
+def test_full_size_local_bytes_and_crossover():
     v4, v41 = kvbytes.report(preset("v4_flash"), N), kvbytes.report(preset("v4_1_flash"), N)
     assert v4["local_bytes"] == 43 * 128 * 584
     assert v41["local_bytes"] == 40 * 128 * 528
-    # "about equal at roughly 900 tokens" / "roughly 3,038 tokens"
+    # local bytes equal the global bytes at about 900 tokens (V4-Flash), 3,038 (V4.1-Flash)
     assert v4["crossover_context"] == pytest.approx(43 * 128 * 584 / 3514.25)
     assert round(v4["crossover_context"], -2) == 900
     assert v41["crossover_context"] == 40 * 128 * 528 / 890
@@ -77,7 +78,7 @@ def test_seed_local_bytes_and_crossover():
         assert rep["local_bytes"] == 0 and rep["crossover_context"] is None
 
 
-# ------------------------------------------------------------------ seed 000, reads at 128K
+# ------------------------------------------------------------ full-size presets, reads at 128K
 @pytest.mark.parametrize(
     "name, kv, keys",
     [
@@ -88,7 +89,7 @@ def test_seed_local_bytes_and_crossover():
         ("v4_1_flash", 8_306_688, 26_738_688),
     ],
 )
-def test_seed_reads(name, kv, keys):
+def test_full_size_reads(name, kv, keys):
     rep = kvbytes.report(preset(name), N)
     assert rep["read_kv_bytes"] == kv
     assert rep["read_key_bytes"] == keys
@@ -96,22 +97,22 @@ def test_seed_reads(name, kv, keys):
     assert isinstance(rep["read_bytes"], int)
 
 
-def test_seed_read_breakdowns():
+def test_full_size_read_breakdowns():
     v4 = kvbytes.report(preset("v4_flash"), N)
     # (21 x (512 + 128) + 20 x (N/128 + 128) + 2 x 128) items at 584 B
     assert v4["window_read"] == 43 * 128
     assert v4["entries_read"] == 21 * 512 + 20 * N // 128
     assert v4["keys_scanned"] == 21 * N // 4
     v41 = kvbytes.report(preset("v4_1_flash"), N)
-    assert v41["read_main_bytes"] == 38 * 512 * 288  # "5.6 MB at 288 B per entry"
-    assert v41["read_local_bytes"] == 40 * 128 * 528  # "2.7 MB at 528 B"
+    assert v41["read_main_bytes"] == 38 * 512 * 288  # about 5.6 MB at 288 B per entry
+    assert v41["read_local_bytes"] == 40 * 128 * 528  # about 2.7 MB at 528 B
     assert v41["keys_scanned"] == 3 * N // 2 + N + 4 * 16384
     v32 = kvbytes.report(preset("v3_2"), N)
-    assert round(100 * v32["read_key_share"]) == 93  # "search keys make up about 93%"
+    assert round(100 * v32["read_key_share"]) == 93  # search keys are about 93% of the reads
 
 
-def test_seed_bf16_reads():
-    # The BF16 box of seed 000: the same item counts at BF16 sizes.
+def test_full_size_bf16_reads():
+    # All-BF16 reads: the same item counts at BF16 sizes.
     v32 = kvbytes.report(preset("v3_2"), N)
     assert v32["read_bf16_kv_bytes"] == 61 * 2048 * 1152
     assert v32["read_bf16_key_bytes"] == 61 * N * 256

@@ -1,6 +1,6 @@
-"""Limits are errors, never silent wrong results (issue 16): caches refuse to pass max_len,
-configs refuse values that would train or run wrongly, sampling refuses bad parameters and
-gives every row its own random stream."""
+"""Limits are errors, never silent wrong results (docs/design.md, "Contracts the tests hold"):
+caches refuse to pass max_len, configs refuse values that would train or run wrongly, sampling
+refuses bad parameters and gives every row its own random stream."""
 
 import glob
 import os

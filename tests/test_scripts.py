@@ -114,6 +114,19 @@ def test_generate_prompt_file_step_max_len(run_dir, tmp_path):
     assert b"checkpoint step 1" in p.stderr
 
 
+def test_generate_takes_layout_and_execution_overrides(run_dir):
+    """A run decodes under another layout or block size with the same greedy text; a change
+    to the model itself is refused."""
+    args = ("--prompt", "abc", "--max-new", 6, "--temperature", 0)
+    base = script("generate", run_dir, *args)
+    other = script("generate", run_dir, *args, "model.scan_layers=false",
+                   "attention.query_block=2")
+    assert base.returncode == other.returncode == 0, other.stderr.decode()
+    assert other.stdout == base.stdout
+    bad = script("generate", run_dir, *args, "attention.head_dim=8")
+    assert bad.returncode == 1 and b"checkpoint was trained" in bad.stderr
+
+
 @pytest.mark.parametrize("args, status, needle", [
     (["--max-new", "-1"], 2, "--max-new"),
     (["--step", "7"], 1, "saved steps: 1, 2"),

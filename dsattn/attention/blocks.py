@@ -15,13 +15,15 @@ import jax
 import jax.numpy as jnp
 
 
-def map_queries(body, size: int, per_query):
+def map_queries(body, size: int, per_query, policy=None):
     """Run ``body(start, block) -> (per_query_out, sums)`` over blocks of ``size`` queries.
 
     ``per_query``: a pytree of arrays [B, T, ...] (the same T); the body gets each sliced to
     [B, size, ...] (padded with zeros past T: give the body a validity mask that pads False
     when padded queries must not count) and the block's first query index ``start``. Returns
     the per-query outputs joined back to [B, T, ...] and ``sums`` added over the blocks.
+    ``policy``: what the checkpointed body keeps for the backward pass (a jax.checkpoint
+    policy; None: nothing, the body is recomputed).
     """
     t = jax.tree.leaves(per_query)[0].shape[1]
     if t <= size:
@@ -36,7 +38,7 @@ def map_queries(body, size: int, per_query):
         a = jnp.moveaxis(a, 0, 1)
         return a.reshape((a.shape[0], n_blk * size) + a.shape[3:])[:, :t]
 
-    one = jax.checkpoint(lambda j, blk: body(j * size, blk), prevent_cse=False)
+    one = jax.checkpoint(lambda j, blk: body(j * size, blk), prevent_cse=False, policy=policy)
     outs, sums = jax.lax.map(lambda xs: one(*xs),
                              (jnp.arange(n_blk, dtype=jnp.int32), jax.tree.map(split, per_query)))
     return jax.tree.map(join, outs), jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)

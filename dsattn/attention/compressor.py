@@ -1,5 +1,5 @@
-"""Token compressor: m tokens -> one entry by per-channel softmax pooling (seed 000 Figs 13,
-17, 21, 22; REFERENCE.md §2.3, §3.3). One module serves HCA, CSA and CSA2.
+"""Token compressor: m tokens -> one entry by per-channel softmax pooling (docs/design.md,
+"Attention families" and "V4.1 mechanisms"). One module serves HCA, CSA and CSA2.
 
 Per token: candidates C = x·W^KV and scores Z = x·W^Z + B[pos mod m] (B only with a position
 bias). Entry i is complete once its span [i·m, (i+1)·m) is; it is, per channel,
@@ -17,11 +17,11 @@ Two ways to compute the same entries:
   softmax per entry.
 - `init_state` / `step`: streaming over cached prefill chunks and decode steps. The state
   holds, per row and per open entry, running per-channel (max, denominator, weighted sum)
-  accumulators — O(width), exact through log-sum-exp rescaling (DESIGN §5). A chunk is
-  folded in without a loop over its tokens: each row's chunk is shifted so spans line up
-  (a per-row gather), reshaped to [spans, m], reduced densely per span, and the per-span
-  statistics are merged with the carried state (see `step`; chunks shorter than m, such as
-  decode steps, use a token-in-span mask instead of padding to m rows).
+  accumulators — O(width), exact through log-sum-exp rescaling (docs/design.md, "Caches").
+  A chunk is folded in without a loop over its tokens: each row's chunk is shifted so spans
+  line up (a per-row gather), reshaped to [spans, m], reduced densely per span, and the
+  per-span statistics are merged with the carried state (see `step`; chunks shorter than m,
+  such as decode steps, use a token-in-span mask instead of padding to m rows).
 
 Softmax statistics run in at least float32 (float64 stays float64).
 """

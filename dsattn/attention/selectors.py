@@ -15,12 +15,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.context import Selection
 from dsattn.plan import LayerSpec, Selector
 
 KERNELS = ("pallas_tpu", "pallas_gpu")
+SELECTION = "indexer_selection"  # the name a remat policy saves selections by
 
 
 def n_visible(positions, stride: int):
@@ -92,7 +94,7 @@ class IndexerSelector(nnx.Module):
 
             pool = ctx.pool
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
-            return sel, ctx
+            return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
         if impl in KERNELS:  # the compiled score pass over the pages, a query block at a time
             def scored(iq, w, nv):
@@ -117,6 +119,8 @@ class IndexerSelector(nnx.Module):
             return (Selection(idx, ok), pool), ()
 
         (sel, pool), _ = blocks.map_queries(one, self.query_block, (iq, w, n_vis))
+        # kept, not recomputed, by a rematerialised backward pass (model.remat_policy)
+        sel, pool = checkpoint_name((sel, pool), SELECTION)
         if pool is not None:
             ctx = ctx.replace(pool=pool)
         return sel, ctx

@@ -1,7 +1,9 @@
-"""Compile cost against depth: the V4 and V4.1 layer patterns at several depths, with the
-repeated groups scanned (`model.scan_layers=true`) and unrolled, timing each program's first
-call (trace + compile + one run) and its steady step: the teacher-forced forward, a prefill
-chunk and a decode step. Tiny widths (the presets'), float32."""
+"""Compile cost and step time against depth: every family's layer pattern at several depths
+(MHA, MLA and DSA stacks of one kind; the V4 and V4.1 patterns), with the repeated groups
+scanned (`model.scan_layers=true`) and unrolled, timing each program's first call (trace +
+compile + one run) and its steady step: the teacher-forced forward, a prefill chunk and a
+decode step, the decode step again with 16K tokens cached. Tiny widths (the presets'),
+float32."""
 
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ from dsattn.model import Transformer
 
 V4_DEPTHS = (6, 12, 24, 43)
 V41_DEPTHS = (10, 20, 40)
+UNIFORM_DEPTHS = (4, 12, 24)
+
+
+def uniform_pattern(depth: int) -> list[str]:
+    """A stack of one layer kind (the preset's own: mha, mla, dsa) at `depth` layers."""
+    return [f"model.n_layers={depth}"]
 
 
 def v4_pattern(depth: int) -> list[str]:
@@ -39,7 +47,9 @@ def v41_pattern(depth: int) -> list[str]:
             f"attention.ratios=0*2, 2*{half - 2}, 1*{half}", f"attention.ced_split={half}"]
 
 
-PATTERNS = {"v4": (v4_pattern, V4_DEPTHS), "v41": (v41_pattern, V41_DEPTHS)}
+PATTERNS = {"mha": (uniform_pattern, UNIFORM_DEPTHS), "mla": (uniform_pattern, UNIFORM_DEPTHS),
+            "dsa": (uniform_pattern, UNIFORM_DEPTHS), "v4": (v4_pattern, V4_DEPTHS),
+            "v41": (v41_pattern, V41_DEPTHS)}
 
 
 def _first_and_step(fn, *args) -> tuple[float, float]:
@@ -55,7 +65,7 @@ def _first_and_step(fn, *args) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
-LONG_CONTEXT = 8192  # where a decode step's cache traffic, not its layer count, dominates
+LONG_CONTEXT = 16384  # where a decode step's cache traffic, not its layer count, dominates
 
 
 def measure(cfg, prompt: int = 64, context: int = 64, long_context: int = LONG_CONTEXT) -> dict:
@@ -81,10 +91,12 @@ def measure(cfg, prompt: int = 64, context: int = 64, long_context: int = LONG_C
             "traced_layers": sum(u.period for u in plan.units(cfg))}
 
 
-def run(configs_dir, patterns=("v4", "v41"), log=print) -> list[dict]:
+def run(configs_dir, patterns=tuple(PATTERNS), log=print) -> list[dict]:
     """One row per (pattern, depth, scanned or not)."""
     rows = []
     for name in patterns:
+        if name not in PATTERNS:
+            raise ValueError(f"depth sweep: no pattern {name!r}; known: {', '.join(PATTERNS)}")
         make, depths = PATTERNS[name]
         for depth in depths:
             for scan in (True, False):
@@ -99,13 +111,18 @@ def run(configs_dir, patterns=("v4", "v41"), log=print) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    """One line per row; a scanned row's last column is its long-context decode step over the
+    unrolled one's (same pattern and depth)."""
+    unrolled = {(r["pattern"], r["depth"]): r["decode_long_ms"] for r in rows if not r["scanned"]}
     head = (f"{'pattern':<8}{'depth':>6}{'layout':>10}{'traced':>8}{'fwd 1st s':>11}"
             f"{'prefill 1st s':>15}{'decode 1st s':>14}{'decode ms':>11}"
-            f"{f'@{LONG_CONTEXT // 1024}K ms':>10}")
+            f"{f'@{LONG_CONTEXT // 1024}K ms':>10}{'scan/unroll':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        base = unrolled.get((r["pattern"], r["depth"])) if r["scanned"] else None
+        ratio = f"{r['decode_long_ms'] / base:>13.2f}" if base else f"{'':>13}"
         lines.append(f"{r['pattern']:<8}{r['depth']:>6}{'scanned' if r['scanned'] else 'unrolled':>10}"
                      f"{r['traced_layers']:>8}{r['forward_first_s']:>11.2f}"
                      f"{r['prefill_first_s']:>15.2f}{r['decode_first_s']:>14.2f}"
-                     f"{r['decode_ms']:>11.2f}{r['decode_long_ms']:>10.2f}")
+                     f"{r['decode_ms']:>11.2f}{r['decode_long_ms']:>10.2f}{ratio}")
     return "\n".join(lines)

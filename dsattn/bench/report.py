@@ -1,5 +1,6 @@
-"""The benchmark's report: the issue's targets checked against a result of ``suite.run``,
-the printed tables, the JSON file and the plots (decode.png, prefill.png, roofline.png).
+"""The benchmark's report: its targets (listed in the README, "Scripts") checked against a
+result of ``suite.run``, the printed tables, the JSON file and the plots (decode.png,
+prefill.png, roofline.png).
 
 Everything here reads the result dict only, so a saved ``bench.json`` can be re-reported.
 """
@@ -33,7 +34,7 @@ def _prefill(result, name, n, replay: bool):
 
 
 def check_targets(result) -> list[dict]:
-    """The issue's targets, each met / missed / not measured, with its numbers."""
+    """The benchmark's targets, each met / missed / not measured, with its numbers."""
     out = []
 
     def add(what, value, limit, ok):

@@ -1,7 +1,7 @@
 """Deployed cache formats: byte layouts, encode/decode, and which role may use which format.
 
 Each format stores one vector of width ``w`` whose last ``r`` dims carry RoPE. Byte counts
-per vector follow seed 000 and REFERENCE.md §4:
+per vector (docs/design.md, "Caches"; tests/test_formats.py and tests/test_kvbytes.py check them):
 
     native               w * itemsize of the compute dtype (no rounding)
     bf16                 2w
@@ -33,7 +33,8 @@ e4m3 = ``jnp.float8_e4m3fn``, e8m0 = ``jnp.float8_e8m0fnu`` (one byte = the bias
 value 2^(byte-127)). FP4 bytes hold two E2M1 codes, the EVEN index in the LOW nibble
 (sglang V41_FP4 layout). The summed ``nbytes`` per vector equals ``bytes_per_vector``.
 
-Quantization (DeepSeek act_quant, REFERENCE §1.4/§2.3/§3.3), per scale block, in float32:
+Quantization (after ``act_quant`` in DeepSeek-V3.2-Exp's inference/kernel.py; the V4-family
+formats as implemented here), per scale block, in float32:
     amax = max(max|x|, floor)        floor 1e-4 (FP8), 6·2^-126 (FP4/UE8M0), 6·2^-9 (FP4/E4M3)
     s    = amax / qmax               qmax 448 (E4M3) or 6 (E2M1)
     UE8M0 and both FP32-scale FP8 formats: s = 2^ceil(log2 s) (V3.2 runs act_quant with

@@ -1,4 +1,5 @@
-"""Seed 001's worked example, by hand: one head, three tokens, d_h = 3."""
+"""A worked example of attention, small enough to check by hand: one head, three tokens,
+d_h = 3."""
 
 import numpy as np
 
@@ -6,7 +7,7 @@ from dsattn.attention.common import causal_mask, masked_softmax
 
 
 def test_worked_example():
-    # The seed prints K and V column by column; as rows (one per token):
+    # K and V as rows (one per token):
     K = np.array([[2, 0, 1], [1, 1, 0], [1, 2, 1]], float)
     V = np.array([[0, 1, 1], [1, 0, 1], [1, 2, 0]], float)
     q3 = np.array([2, 1, 0], float)

@@ -1,0 +1,61 @@
+"""Uncertainty over seeds: a sweep row's metric as mean, standard deviation and a 95%
+interval, and whether two rows differ by more than their seeds spread.
+
+The interval is Student's t over the row's seeds (mean ± t₀.₉₇₅,ₙ₋₁ · s/√n, s with n - 1
+degrees of freedom), the honest interval for a handful of seeds. Two rows differ beyond
+their seed spread when Welch's 95% interval for the difference of their means excludes 0.
+One seed gives a mean and no interval (NaN): nothing can be said about its spread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+LEVEL = 0.95
+
+
+def summary(values) -> dict:
+    """{n, mean, std, lo, hi} of a metric's values over seeds (NaN where undefined)."""
+    v = np.asarray([x for x in values if x is not None], float)
+    n = len(v)
+    if n == 0:
+        return {"n": 0, "mean": math.nan, "std": math.nan, "lo": math.nan, "hi": math.nan}
+    mean = float(v.mean())
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": math.nan, "lo": math.nan, "hi": math.nan}
+    std = float(v.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "lo": mean - half, "hi": mean + half}
+
+
+def difference(a, b) -> dict:
+    """Welch's interval for mean(a) - mean(b): {diff, lo, hi, exceeds} where `exceeds` says
+    the interval excludes 0 (None with fewer than two seeds on either side)."""
+    a, b = (np.asarray([x for x in v if x is not None], float) for v in (a, b))
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": diff, "lo": math.nan, "hi": math.nan, "exceeds": None}
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:  # identical seeds on both sides: any difference is exact
+        return {"diff": diff, "lo": diff, "hi": diff, "exceeds": diff != 0}
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, dof)) * se
+    return {"diff": diff, "lo": diff - half, "hi": diff + half,
+            "exceeds": bool(diff - half > 0 or diff + half < 0)}
+
+
+def overlaps_front(points: list[dict], front: list[int]) -> list[int]:
+    """Rows off the Pareto front (lower x and lower y are better; y a `summary`) whose y
+    interval reaches the interval of a front row at no larger x: within seed noise of it."""
+    out = []
+    for i, p in enumerate(points):
+        if i in front or math.isnan(p["y"]["lo"]):
+            continue
+        if any(points[j]["x"] <= p["x"] and p["y"]["lo"] <= points[j]["y"]["hi"]
+               for j in front if not math.isnan(points[j]["y"]["hi"])):
+            out.append(i)
+    return out
