@@ -129,6 +129,15 @@ def _check_mqar(spec: RecallSpec) -> RecallSpec:
     return spec
 
 
+def distance_bounds(spec: RecallSpec, probe_len: int) -> tuple[int, int, int]:
+    """(least, most, step) of a probe distance in rows of probe_len tokens: a pair's length
+    up to probe_len - PAIR_LEN (bytes), or even distances in [2, min(probe_len, block) - 2]
+    (format=mqar: whole units, rows inside a block)."""
+    if spec.format == "mqar":
+        return MQAR_UNIT, min(probe_len, spec.block) - MQAR_UNIT, MQAR_UNIT
+    return PAIR_LEN, probe_len - PAIR_LEN, 1
+
+
 def is_recall(source: str) -> bool:
     return source == "recall" or source.startswith("recall:")
 

@@ -148,6 +148,8 @@ def test_mqar_probes_and_weighted_loss():
         __import__("jax").nn.softmax(model(b["inputs"]), -1)), b["targets"][..., None], -1))[..., 0]
     w = b["weights"]
     assert np.isclose(float(loss_fn(model, b)[1]["ce"]), (nll * w).sum() / w.sum(), rtol=1e-4)
+    from dsattn.evaluate import mean_loss  # held-out loss: the same weighted mean
+    assert np.isclose(mean_loss(model, [b]), (nll * w).sum() / w.sum(), rtol=1e-4)
 
 
 def test_mqar_joint_and_repeat():
