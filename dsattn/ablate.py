@@ -206,12 +206,22 @@ def _validate(sweep: Sweep) -> Sweep:
             raise ConfigError(f"row {row.name!r}: {e}") from None
         cfgs.append(cfg)
     probe_len = sweep.probe_len or cfgs[0].train.seq_len
+    source = cfgs[0].data.source
+    spec = recall.parse_source(source) if recall.is_recall(source) else recall.RecallSpec()
+    least, most, every = recall.distance_bounds(spec, probe_len)
     dists = sweep.distances or tuple(d for d in (8, 16, 32, 64, 96, 128, 192, 256)
-                                     if d <= probe_len - recall.PAIR_LEN)
+                                     if d <= most)
     for d in dists:
-        if not isinstance(d, int) or not recall.PAIR_LEN <= d <= probe_len - recall.PAIR_LEN:
-            raise ConfigError(f"recall.distances: {d!r} must be an integer in "
-                              f"[{recall.PAIR_LEN}, {probe_len - recall.PAIR_LEN}]")
+        if not isinstance(d, int) or not least <= d <= most or d % every:
+            raise ConfigError(f"recall.distances: {d!r} must be an integer in [{least}, {most}]"
+                              + (f" and a multiple of {every}" if every > 1 else ""))
+    if spec.format == "mqar":
+        too_long = [m for m in sweep.lengths if m * max(probe_len, cfgs[0].train.seq_len)
+                    > spec.block]
+        if probe_len > spec.block or too_long:
+            raise ConfigError(f"recall format=mqar: probe rows and lengths x train.seq_len "
+                              f"must fit a block of {spec.block} tokens (lengths: [] for none)"
+                              f", got probe_len {probe_len}, lengths {list(sweep.lengths)}")
     return dataclasses.replace(sweep, distances=tuple(dists), probe_len=probe_len)
 
 
@@ -494,7 +504,8 @@ def _probes(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
                                     cfg.data.max_bytes)[1]
         if len(background) < times * sweep.probe_len:
             background = None
-    dists = [times * d for d in sweep.distances if times * d <= recall.MAX_DIST]
+    most = recall.distance_bounds(spec, times * sweep.probe_len)[1]
+    dists = [times * d for d in sweep.distances if times * d <= min(most, recall.MAX_DIST)]
     return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)
 
 

@@ -38,6 +38,20 @@ class Corpus:
     val: np.ndarray
     vocab_size: int  # the model vocab the tokens were checked against (all tokens < it)
     description: str
+    # Per-token loss weights (weights[p]: the weight of predicting token p), or None: all 1.
+    train_weights: np.ndarray | None = None
+    val_weights: np.ndarray | None = None
+    block: int = 0  # windows start at multiples of this (independent sequences); 0: anywhere
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> dict:
+        """Training batch of `step` (batch_at with this corpus's weights and block)."""
+        return batch_at(self.train, step, batch_size, seq_len, seed,
+                        weights=self.train_weights, block=self.block)
+
+    def eval_batches(self, n_batches: int, batch_size: int, seq_len: int,
+                     seed: int = 0) -> list[dict]:
+        return eval_batches(self.val, n_batches, batch_size, seq_len, seed,
+                            weights=self.val_weights, block=self.block)
 
 
 # ----------------------------------------------------------------------------- byte codec
@@ -255,10 +269,13 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
     return Corpus(train, val, vocab_size, desc)
 
 
-def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> dict:
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, *,
+             weights: np.ndarray | None = None, block: int = 0) -> dict:
     """Batch of step `step`: random windows from ``default_rng([seed, step])``.
 
-    A pure function of (seed, step), so resuming needs no data-iterator state.
+    A pure function of (seed, step), so resuming needs no data-iterator state. With `block`,
+    windows start at multiples of it (a corpus of independent blocks); with `weights` (one
+    per token), the batch also has "weights": the loss weight of each target.
     """
     n = len(tokens)
     if n < seq_len + 1:
@@ -266,16 +283,27 @@ def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed:
     if seed < 0 or step < 0:
         raise InputError(f"batch_at: seed and step must be >= 0, got seed={seed}, step={step}")
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, n - seq_len, size=batch_size)  # last start is n - seq_len - 1
-    window = np.asarray(tokens)[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+    if block:
+        if seq_len > block:
+            raise InputError(f"batch_at: seq_len {seq_len} is longer than the corpus's "
+                             f"sequences of {block} tokens")
+        starts = rng.integers(0, (n - seq_len - 1) // block + 1, size=batch_size) * block
+    else:
+        starts = rng.integers(0, n - seq_len, size=batch_size)  # last start is n - seq_len - 1
+    idx = starts[:, None] + np.arange(seq_len + 1)
+    window = np.asarray(tokens)[idx].astype(np.int32)
+    out = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+    if weights is not None:
+        out["weights"] = np.asarray(weights, np.float32)[idx[:, 1:]]
+    return out
 
 
 def eval_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int,
-                 seed: int = 0) -> list[dict]:
+                 seed: int = 0, *, weights: np.ndarray | None = None,
+                 block: int = 0) -> list[dict]:
     """Fixed validation batches: the same every eval, so losses are comparable over a run."""
-    return [batch_at(tokens, i, batch_size, seq_len, _EVAL_SEED_BASE + seed)
-            for i in range(n_batches)]
+    return [batch_at(tokens, i, batch_size, seq_len, _EVAL_SEED_BASE + seed, weights=weights,
+                     block=block) for i in range(n_batches)]
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

@@ -1,8 +1,9 @@
 """Held-out loss of a model at chosen context lengths (scripts/eval.py).
 
 The loss at sequence length T is the mean next-token cross-entropy over fixed validation
-batches: `data.eval_batches(corpus.val, n_batches, batch_size, T, seed)`, the same windows
-for every checkpoint, so losses are comparable over a run and across runs. At the run's own
+batches: `corpus.eval_batches(n_batches, batch_size, T, seed)` (weighted where the corpus has
+loss weights), the same windows for every checkpoint, so losses are comparable over a run and
+across runs. At the run's own
 train.seq_len, eval_batches and batch_size (and seed = train.seed) this is exactly the
 validation loss training logs. Lengths beyond the training length measure extrapolation.
 
@@ -29,8 +30,9 @@ def is_byte_level(source: str) -> bool:
     return Path(source).suffix.lower() not in data.TOKEN_SUFFIXES
 
 
-def _sum_nll(graphdef, state, inputs, targets):
-    return token_nll(nnx.merge(graphdef, nnx.State(state))(inputs), targets).sum()
+def _sum_nll(graphdef, state, inputs, targets, weights=None):
+    nll = token_nll(nnx.merge(graphdef, nnx.State(state))(inputs), targets)
+    return nll.sum() if weights is None else (nll * weights).sum()
 
 
 _sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)
@@ -38,15 +40,18 @@ _sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)
 
 def mean_loss(model, batches, done=None) -> float:
     """Mean next-token cross-entropy (nats per token) of `model` over `batches`
-    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape. `done()`, if
-    given, is called after each batch."""
+    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape. Batches with
+    "weights" (a corpus with loss weights, e.g. recall format=mqar) give the weighted mean,
+    as the training loss does. `done()`, if given, is called after each batch."""
     graphdef, state = nnx.split(model)
     state = nnx.to_pure_dict(state)
-    total, count = 0.0, 0
+    total, count = 0.0, 0.0
     for b in batches:
+        w = b.get("weights")
         total += float(_sum_nll_jit(graphdef, state, jnp.asarray(b["inputs"]),
-                                    jnp.asarray(b["targets"])))
-        count += b["targets"].size
+                                    jnp.asarray(b["targets"]),
+                                    None if w is None else jnp.asarray(w, jnp.float32)))
+        count += b["targets"].size if w is None else float(w.sum())
         if done is not None:
             done()
     return total / count
@@ -77,7 +82,7 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
                             every=progress_every, quiet=quiet)
     rows = []
     for n in seq_lens:
-        batches = data.eval_batches(corpus.val, n_batches, batch_size, n, seed=t.seed)
+        batches = corpus.eval_batches(n_batches, batch_size, n, seed=t.seed)
         nats = mean_loss(model, batches, lambda: bar.update(fields={"seq_len": n}))
         bits = nats / math.log(2)
         rows.append({"seq_len": n, "tokens": n_batches * batch_size * n,

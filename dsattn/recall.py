@@ -12,6 +12,17 @@ positions scores chance (0.1 per answer byte) and a lookup scores 1.0.
 ``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``.
 Scoring uses probes: a validation window with one pair at an exact distance whose query ends
 the window; accuracy is over the probe's answer bytes (teacher-forced argmax).
+
+``format=mqar`` (Zoology's multi-query associative recall, Arora et al. 2023) is the dense
+variant small models learn: the stream is a run of independent blocks of ``block`` tokens,
+each a sequence of two-token units ``k v``: ``pairs`` facts (a key unique in its block, a
+random value) each re-asked ``d`` tokens later by a query (the same key; its value is the
+answer), d even in [min_dist, max_dist]; the other units are noise. Keys and values are
+single bytes from disjoint ranges (``keys`` from MQAR_KEY0, ``values`` from MQAR_VALUE0),
+so chance is 1 / values. Training windows start at block starts (Corpus.block) and the loss
+weighs answer tokens 1 and every other target ``other_weight`` (Corpus weights), so every
+sequence trains recall and nothing else dilutes it:
+``recall:format=mqar,min_dist=2,max_dist=126,pairs=16,keys=64,values=64``.
 """
 
 from __future__ import annotations
@@ -33,6 +44,12 @@ CHANCE = 1 / len(VALUE_ALPHABET)
 # Keys cycle through all 676 in fact order, so the same key recurs only >= 675 facts
 # (>= 675 * PAIR_LEN bytes) later: no second fact with a query's key can lie between them.
 MAX_DIST = (len(KEY_ALPHABET) ** KEY_LEN - 1) * PAIR_LEN
+MQAR_KEY0, MQAR_VALUE0 = 128, 192  # format=mqar: keys and values, disjoint byte ranges
+MQAR_UNIT = 2  # format=mqar: a fact or query is `key value`
+# format=mqar,joint=1: a fact is `J n`, J = MQAR_JOINT0 + key * values + value one token for
+# the pair (n: a noise byte), a query `key value` with keys from MQAR_JKEY0 and values from
+# MQAR_JVALUE0: the answer is one attention hop from the query's key (no induction circuit).
+MQAR_JOINT0, MQAR_JKEY0, MQAR_JVALUE0 = 128, 0x10, 0x40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +60,17 @@ class RecallSpec:
     corpus: str = ""  # filler source ("stdlib", a file or glob); "" = noise bytes
     length: int = 2_000_000  # training stream bytes (validation: val_fraction of it)
     seed: int = 0  # the stream's own seed: every run of a sweep sees the same data
+    format: str = "bytes"  # "bytes": FACT/QUERY marker pairs in filler; "mqar": see above
+    # format=mqar only:
+    block: int = 128  # tokens per independent sequence (train.seq_len <= block)
+    pairs: int = 16  # fact/query pairs per block
+    keys: int = 64  # key vocabulary (bytes MQAR_KEY0..)
+    values: int = 64  # value vocabulary (bytes MQAR_VALUE0..)
+    other_weight: float = 0.0  # loss weight of targets that are not answers (answers: 1)
+    joint: int = 0  # 1: a fact is one token for the (key, value) pair (single-hop recall)
+    # > 0: noise units come in repeated pairs `a b a b`; the repeat's `b` weighs this (a local
+    # target a previous-token head predicts: it trains the first hop of the induction circuit)
+    repeat: float = 0.0
 
 
 def parse_source(source: str) -> RecallSpec:
@@ -62,6 +90,10 @@ def parse_source(source: str) -> RecallSpec:
         except ValueError:
             raise ConfigError(f"data.source: recall {key}={value!r} is not a {fields[key]}")
     spec = RecallSpec(**kwargs)
+    if spec.format == "mqar":
+        return _check_mqar(spec)
+    if spec.format != "bytes":
+        raise ConfigError(f"data.source: recall format {spec.format!r} unknown; valid: bytes, mqar")
     if not PAIR_LEN <= spec.min_dist <= spec.max_dist <= MAX_DIST:
         raise ConfigError(f"data.source: recall needs {PAIR_LEN} <= min_dist <= max_dist <= "
                           f"{MAX_DIST}, got {spec.min_dist}..{spec.max_dist}")
@@ -69,6 +101,41 @@ def parse_source(source: str) -> RecallSpec:
         raise ConfigError("data.source: recall density must be in (0, 1) and length >= "
                           f"4 * max_dist, got {spec.density}, {spec.length}")
     return spec
+
+
+def _check_mqar(spec: RecallSpec) -> RecallSpec:
+    u = MQAR_UNIT
+    if spec.block < 2 * u or spec.block % u:
+        raise ConfigError(f"data.source: recall block must be an even number >= 4, got "
+                          f"{spec.block}")
+    if not u <= spec.min_dist <= spec.max_dist <= spec.block - u:
+        raise ConfigError(f"data.source: recall format=mqar needs {u} <= min_dist <= max_dist "
+                          f"<= block - {u} = {spec.block - u}, got "
+                          f"{spec.min_dist}..{spec.max_dist}")
+    if not 1 <= spec.pairs <= min(spec.keys, spec.block // (2 * u)):
+        raise ConfigError(f"data.source: recall pairs must be in [1, min(keys, block / 4)], "
+                          f"got {spec.pairs}")
+    if spec.joint:
+        if not (2 <= spec.keys <= 16 and 2 <= spec.values <= 16
+                and spec.keys * spec.values <= 256 - MQAR_JOINT0):
+            raise ConfigError(f"data.source: recall joint=1 needs keys, values in [2, 16] and "
+                              f"keys * values <= 128, got {spec.keys}, {spec.values}")
+    elif not 2 <= spec.keys <= MQAR_VALUE0 - MQAR_KEY0 or not 2 <= spec.values <= 256 - MQAR_VALUE0:
+        raise ConfigError(f"data.source: recall keys and values must be in [2, 64], got "
+                          f"{spec.keys}, {spec.values}")
+    if not 0 <= spec.other_weight <= 1 or spec.length < 4 * spec.block:
+        raise ConfigError(f"data.source: recall other_weight must be in [0, 1] and length >= "
+                          f"4 * block, got {spec.other_weight}, {spec.length}")
+    return spec
+
+
+def distance_bounds(spec: RecallSpec, probe_len: int) -> tuple[int, int, int]:
+    """(least, most, step) of a probe distance in rows of probe_len tokens: a pair's length
+    up to probe_len - PAIR_LEN (bytes), or even distances in [2, min(probe_len, block) - 2]
+    (format=mqar: whole units, rows inside a block)."""
+    if spec.format == "mqar":
+        return MQAR_UNIT, min(probe_len, spec.block) - MQAR_UNIT, MQAR_UNIT
+    return PAIR_LEN, probe_len - PAIR_LEN, 1
 
 
 def is_recall(source: str) -> bool:
@@ -116,11 +183,92 @@ def make_stream(n: int, spec: RecallSpec, filler: np.ndarray | None, rng) -> tup
     return out, facts, queries
 
 
+def mqar_block(spec: RecallSpec, rng) -> tuple:
+    """One format=mqar block: (tokens [block], answer mask [block], fact starts, query
+    starts). Each pair draws its distance d (even, uniform in [min_dist, max_dist]) and then a
+    fact slot whose query slot is also free; a pair that finds none is redrawn (a few times)."""
+    u, n_units = MQAR_UNIT, spec.block // MQAR_UNIT
+    out = rng.choice(NOISE_ALPHABET, spec.block).astype(np.int32)
+    busy = np.zeros(n_units, bool)
+    lo, hi = -(-spec.min_dist // u), spec.max_dist // u  # distances in units
+    facts, queries = [], []
+    for _ in range(8 * spec.pairs):
+        if len(facts) == spec.pairs:
+            break
+        du = int(rng.integers(lo, hi + 1))
+        free = np.flatnonzero(~busy[:n_units - du] & ~busy[du:])
+        if not len(free):
+            continue
+        f = int(rng.choice(free))
+        busy[f] = busy[f + du] = True
+        facts.append(f * u)
+        queries.append((f + du) * u)
+    facts, queries = np.array(facts, np.int64), np.array(queries, np.int64)
+    k = rng.permutation(spec.keys)[:len(facts)]
+    v = rng.integers(0, spec.values, len(facts))
+    _write_fact(out, facts, k, v, spec)
+    out[queries], out[queries + 1] = _key_token(k, spec), _value_token(v, spec)
+    answer = np.zeros(spec.block, np.float32)
+    if spec.repeat:  # `a b a b`: the second b is the token before its predicting position
+        copied = np.zeros(n_units, bool)
+        for i in range(1, n_units):
+            if not (busy[i] or busy[i - 1] or copied[i - 1]):
+                out[i * u:(i + 1) * u] = out[(i - 1) * u:i * u]
+                answer[i * u + 1] = spec.repeat
+                copied[i] = True
+    answer[queries + 1] = 1.0
+    return out, answer, facts, queries
+
+
+def _key_token(k, spec):
+    return (MQAR_JKEY0 if spec.joint else MQAR_KEY0) + k
+
+
+def _value_token(v, spec):
+    return (MQAR_JVALUE0 if spec.joint else MQAR_VALUE0) + v
+
+
+def _write_fact(out, starts, k, v, spec):
+    """Facts of keys k (indices) and values v at `starts` (the noise after a joint stays)."""
+    if spec.joint:
+        out[starts] = MQAR_JOINT0 + k * spec.values + v
+    else:
+        out[starts], out[starts + 1] = _key_token(k, spec), _value_token(v, spec)
+
+
+def mqar_stream(n_blocks: int, spec: RecallSpec, rng) -> tuple:
+    """(tokens, loss weights) of n_blocks independent blocks end to end; weights[p] is the
+    weight of predicting token p: 1 at answers, spec.other_weight elsewhere."""
+    blocks = [mqar_block(spec, rng)[:2] for _ in range(n_blocks)]
+    tokens = np.concatenate([b[0] for b in blocks])
+    weights = np.concatenate([b[1] for b in blocks])
+    weights = np.where(weights > 0, weights, spec.other_weight).astype(np.float32)
+    return tokens, weights
+
+
+@functools.lru_cache(maxsize=4)
+def mqar_streams(source: str, val_fraction: float):
+    """(train, val, train weights, val weights, description) of a format=mqar source."""
+    spec = parse_source(source)
+    n_train = spec.length // spec.block
+    n_val = max(round(n_train * val_fraction), 4)
+    train, w_train = mqar_stream(n_train, spec, np.random.default_rng([spec.seed, 0]))
+    val, w_val = mqar_stream(n_val, spec, np.random.default_rng([spec.seed, 1]))
+    for a in (train, val, w_train, w_val):
+        a.flags.writeable = False
+    desc = (f"recall mqar: {n_train:,} + {n_val:,} blocks of {spec.block}, {spec.pairs} pairs, "
+            f"distances {spec.min_dist}..{spec.max_dist}, {spec.keys} keys, {spec.values} "
+            f"values, other_weight {spec.other_weight}")
+    return train, val, w_train, w_val, desc
+
+
 @functools.lru_cache(maxsize=4)
 def streams(source: str, val_fraction: float, max_bytes: int):
     """(train, val, description) for a recall source; cached: every Trainer of a sweep and
     every probe set reads the same streams."""
     spec = parse_source(source)
+    if spec.format == "mqar":
+        return mqar_streams(source, val_fraction)[0:2] + mqar_streams(source, val_fraction)[4:]
     filler_train = filler_val = None
     if spec.corpus:
         from dsattn import data  # local: data imports this module for its source hook
@@ -148,6 +296,11 @@ def load_corpus(data_cfg, vocab_size: int):
     if vocab_size < 256:
         raise ConfigError(f"data.source: recall is byte-level and needs model.vocab_size >= "
                           f"256, got {vocab_size}")
+    spec = parse_source(data_cfg.source)
+    if spec.format == "mqar":
+        train, val, w_train, w_val, desc = mqar_streams(data_cfg.source, data_cfg.val_fraction)
+        return Corpus(train, val, vocab_size, desc, train_weights=w_train, val_weights=w_val,
+                      block=spec.block)
     train, val, desc = streams(data_cfg.source, data_cfg.val_fraction, data_cfg.max_bytes)
     return Corpus(train, val, vocab_size, desc)
 
@@ -166,6 +319,8 @@ def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None
     row. The rest of the row is a window of `background` (the validation stream, so the
     context looks like training) or a fresh stream; the probe's key appears nowhere else."""
     spec = spec or RecallSpec()
+    if spec.format == "mqar":
+        return _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed)
     rng = np.random.default_rng([seed, 2])
     if background is None:
         background = make_stream(max(64 * seq_len, 4 * spec.max_dist), spec, None, rng)[0]
@@ -194,6 +349,42 @@ def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None
             answers.append(q + 1 + KEY_LEN + np.arange(VALUE_LEN))
             dists.append(d)
     return Probes(np.stack(rows), np.stack(answers), np.array(dists))
+
+
+def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> Probes:
+    """format=mqar probes: the first seq_len tokens of a block (of `background`, block
+    aligned, or a fresh one) with a fact planted at q - d and its query at q = seq_len - 2, so
+    the answer is the row's last token; other units with the probe's key become noise."""
+    u = MQAR_UNIT
+    if seq_len > spec.block or seq_len % u:
+        raise ValueError(f"probes: mqar rows of {seq_len} tokens must be even and <= block "
+                         f"{spec.block}")
+    rng = np.random.default_rng([seed, 2])
+    if background is None:
+        background = mqar_stream(64, spec, rng)[0]
+    n_blocks = len(background) // spec.block
+    q = seq_len - u
+    rows, answers, dists = [], [], []
+    for d in distances:
+        if not u <= d <= q or d % u:
+            raise ValueError(f"probes: mqar distance {d} must be even and in [{u}, {q}]")
+        for _ in range(n_per_distance):
+            s = int(rng.integers(0, n_blocks)) * spec.block
+            row = np.array(background[s:s + seq_len], np.int32)
+            key = int(rng.integers(0, spec.keys))
+            val = int(rng.integers(0, spec.values))
+            # the probe's key occurs nowhere else: its other pair (if any) becomes noise
+            hit = row == _key_token(key, spec)
+            if spec.joint:
+                hit |= (row - MQAR_JOINT0) // spec.values == key
+            for i in np.flatnonzero(hit):
+                row[i:i + u] = rng.choice(NOISE_ALPHABET, len(row[i:i + u]))
+            _write_fact(row, np.array([q - d]), np.array([key]), np.array([val]), spec)
+            row[q], row[q + 1] = _key_token(key, spec), _value_token(val, spec)
+            rows.append(row)
+            answers.append([q + 1])
+            dists.append(d)
+    return Probes(np.stack(rows), np.array(answers), np.array(dists))
 
 
 def score(pred: np.ndarray, p: Probes) -> dict[int, float]:

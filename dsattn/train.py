@@ -71,9 +71,16 @@ def token_nll(logits, targets):
 
 
 def loss_fn(model: Transformer, batch: dict, step=None):
-    """Mean next-token cross-entropy plus any auxiliary losses the layers report."""
+    """Mean next-token cross-entropy plus any auxiliary losses the layers report. With
+    batch["weights"] (a corpus with loss weights, e.g. recall format=mqar: answers only) the
+    cross-entropy is the weighted mean over targets."""
     logits, auxes = model.forward(batch["inputs"], step)
-    ce = token_nll(logits, batch["targets"]).mean()
+    nll = token_nll(logits, batch["targets"])
+    if "weights" in batch:
+        w = batch["weights"].astype(nll.dtype)
+        ce = (nll * w).sum() / jnp.maximum(w.sum(), 1e-6)
+    else:
+        ce = nll.mean()
     metrics = {"ce": ce}
     total = ce
     for name in sorted({k for aux in auxes for k in aux}):
@@ -170,8 +177,8 @@ class Trainer:
                                       in_shardings=(self.param_shardings, self.batch_shardings),
                                       out_shardings=rep)
         self._compiled_step = None
-        self.val_batches = [self._batch(b) for b in data.eval_batches(
-            self.corpus.val, t.eval_batches, t.batch_size, t.seq_len, seed=t.seed)]
+        self.val_batches = [self._batch(b) for b in self.corpus.eval_batches(
+            t.eval_batches, t.batch_size, t.seq_len, seed=t.seed)]
 
     def _shard_state(self):
         """Lay params and optimizer state out on the mesh (sharding.RULES); on one device
@@ -362,7 +369,7 @@ class Trainer:
     def _run(self, target: int, caught: list) -> dict:
         t = self.cfg.train
         if self._compiled_step is None:  # compiled ahead, so compile time is not step time
-            batch = data.batch_at(self.corpus.train, self.step, t.batch_size, t.seq_len, t.seed)
+            batch = self.corpus.batch(self.step, t.batch_size, t.seq_len, t.seed)
             with self._on_mesh():
                 self._compiled_step = self._train_step.lower(
                     self.params, self.opt_state, self._batch(batch),
@@ -382,8 +389,7 @@ class Trainer:
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
             t0 = time.perf_counter()
-            batch = self._batch(data.batch_at(self.corpus.train, self.step, t.batch_size,
-                                              t.seq_len, t.seed))
+            batch = self._batch(self.corpus.batch(self.step, t.batch_size, t.seq_len, t.seed))
             self.params, self.opt_state, metrics = self._compiled_step(
                 self.params, self.opt_state, batch, jnp.int32(self.step))
             loss = float(metrics["loss"])  # waits for the step

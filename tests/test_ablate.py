@@ -25,6 +25,7 @@ TOY = [  # a one-layer MHA model: compiles in seconds
     "train.seq_len=48", "train.batch_size=2", "train.steps=4", "train.eval_every=2",
     "train.ckpt_every=2", "train.log_every=1", "train.eval_batches=1", "train.warmup_steps=1",
     "data.source=recall:min_dist=8,max_dist=32,length=8000"]
+MQAR = "data.source=recall:format=mqar,block=48,pairs=4,keys=8,values=8,max_dist=46,length=4800"
 
 
 def _write(tmp_path, **sweep):
@@ -50,6 +51,10 @@ def _write(tmp_path, **sweep):
     ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
     ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
+    ({"rows": [{"name": "m", "overrides": [MQAR]}], "recall": {"distances": [7]}},
+     r"recall.distances: 7 must be an integer in \[2, 46\] and a multiple of 2"),
+    ({"rows": [{"name": "m", "overrides": [MQAR]}], "lengths": [2]},
+     r"format=mqar: probe rows and lengths x train.seq_len must fit a block of 48"),
 ])
 def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
     path = _write(tmp_path, out=str(tmp_path / "out"), **change)

@@ -99,3 +99,73 @@ def test_model_predictions_align_with_the_forward():
     assert np.array_equal(pred[:2, 1:], logits.argmax(-1)[:, :-1])
     acc = recall.accuracy(model, p)
     assert set(acc) == {8, 24} and all(0 <= a <= 1 for a in acc.values())
+
+
+MQAR = "recall:format=mqar,min_dist=2,max_dist=62,block=64,pairs=8,keys=16,values=16,length=6400"
+
+
+def test_mqar_blocks_keys_distances_and_weights():
+    spec = recall.parse_source(MQAR)
+    tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(0))
+    assert len(tokens) == 64 and len(facts) == 8
+    d = queries - facts
+    assert d.min() >= 2 and d.max() <= 62 and (d % 2 == 0).all()
+    keys = tokens[facts]
+    assert len(set(keys.tolist())) == 8  # keys unique within a block
+    assert ((keys >= recall.MQAR_KEY0) & (keys < recall.MQAR_KEY0 + 16)).all()
+    assert np.array_equal(tokens[queries], keys) and np.array_equal(tokens[queries + 1],
+                                                                    tokens[facts + 1])
+    assert np.flatnonzero(answer).tolist() == sorted((queries + 1).tolist())
+    c = data.load_corpus(DataConfig(source=MQAR), 256)
+    assert c.block == 64 and len(c.train) == 6400 and c.train_weights.shape == c.train.shape
+    b = c.batch(3, 4, 64, 0)
+    assert (b["inputs"][:, 0] < 256).all() and b["weights"].shape == (4, 64)
+    # windows are whole blocks, and weights mark exactly the answers (the target's weight)
+    for row, tgt, w in zip(b["inputs"], b["targets"], b["weights"]):
+        for t in np.flatnonzero(w):
+            assert row[t] >= recall.MQAR_KEY0 and tgt[t] >= recall.MQAR_VALUE0
+            f = np.flatnonzero(row[:t] == row[t])
+            assert len(f) == 1 and row[f[0] + 1] == tgt[t]
+    with pytest.raises(ConfigError, match="max_dist"):
+        recall.parse_source("recall:format=mqar,max_dist=200")
+    with pytest.raises(ConfigError, match="format"):
+        recall.parse_source("recall:format=other")
+
+
+def test_mqar_probes_and_weighted_loss():
+    spec = recall.parse_source(MQAR)
+    p = recall.probes([2, 16, 62], 4, 64, spec)
+    for row, d, ans in zip(p.tokens, p.distance, p.answer_pos):
+        assert list(ans) == [63] and row[62] == row[62 - d] and row[63] == row[63 - d]
+        assert (row == row[62]).sum() == 2  # the probe's key occurs only in its pair
+    from dsattn.train import loss_fn
+    cfg = preset("mha", "model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64",
+                 "attention.head_dim=8", "model.dtype=float32")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    c = data.load_corpus(DataConfig(source=MQAR), 256)
+    b = c.batch(0, 2, 64, 0)
+    nll = -np.log(np.take_along_axis(np.asarray(
+        __import__("jax").nn.softmax(model(b["inputs"]), -1)), b["targets"][..., None], -1))[..., 0]
+    w = b["weights"]
+    assert np.isclose(float(loss_fn(model, b)[1]["ce"]), (nll * w).sum() / w.sum(), rtol=1e-4)
+    from dsattn.evaluate import mean_loss  # held-out loss: the same weighted mean
+    assert np.isclose(mean_loss(model, [b]), (nll * w).sum() / w.sum(), rtol=1e-4)
+
+
+def test_mqar_joint_and_repeat():
+    # joint=1: a fact is one token J = JOINT0 + key * values + value; the query `key value`
+    spec = recall.parse_source("recall:format=mqar,joint=1,block=64,pairs=8,keys=8,values=16,"
+                               "min_dist=2,max_dist=62,length=6400")
+    tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(1))
+    j = tokens[facts] - recall.MQAR_JOINT0
+    assert np.array_equal(tokens[queries], recall.MQAR_JKEY0 + j // 16)
+    assert np.array_equal(tokens[queries + 1], recall.MQAR_JVALUE0 + j % 16)
+    assert np.flatnonzero(answer).tolist() == sorted((queries + 1).tolist())
+    # repeat=W: noise units come as `a b a b`, the repeat's b (the token before its predicting
+    # position) weighs W; answers still weigh 1
+    spec = recall.parse_source(MQAR + ",repeat=0.5")
+    tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(2))
+    rep = np.flatnonzero(answer == 0.5)
+    assert len(rep) and (rep % 2 == 1).all()
+    assert (tokens[rep] == tokens[rep - 2]).all() and (tokens[rep - 1] == tokens[rep - 3]).all()
+    assert np.flatnonzero(answer == 1).tolist() == sorted((queries + 1).tolist())
