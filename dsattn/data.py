@@ -42,11 +42,17 @@ class Corpus:
     train_weights: np.ndarray | None = None
     val_weights: np.ndarray | None = None
     block: int = 0  # windows start at multiples of this (independent sequences); 0: anywhere
+    # Steps before warm_steps draw from `warm` ((tokens, weights): an easier stream, e.g.
+    # recall with every answer near its fact) instead of `train`.
+    warm_steps: int = 0
+    warm: tuple | None = None
 
     def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> dict:
         """Training batch of `step` (batch_at with this corpus's weights and block)."""
-        return batch_at(self.train, step, batch_size, seq_len, seed,
-                        weights=self.train_weights, block=self.block)
+        tokens, weights = ((self.train, self.train_weights) if step >= self.warm_steps
+                           else self.warm)
+        return batch_at(tokens, step, batch_size, seq_len, seed, weights=weights,
+                        block=self.block)
 
     def eval_batches(self, n_batches: int, batch_size: int, seq_len: int,
                      seed: int = 0) -> list[dict]:

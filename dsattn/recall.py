@@ -71,6 +71,10 @@ class RecallSpec:
     # > 0: noise units come in repeated pairs `a b a b`; the repeat's `b` weighs this (a local
     # target a previous-token head predicts: it trains the first hop of the induction circuit)
     repeat: float = 0.0
+    # > 0: the first warm_steps training steps draw facts at most warm_dist back (a curriculum:
+    # a model whose reach is short learns the lookup where every answer is within reach first)
+    warm_steps: int = 0
+    warm_dist: int = 8
 
 
 def parse_source(source: str) -> RecallSpec:
@@ -123,6 +127,10 @@ def _check_mqar(spec: RecallSpec) -> RecallSpec:
     elif not 2 <= spec.keys <= MQAR_VALUE0 - MQAR_KEY0 or not 2 <= spec.values <= 256 - MQAR_VALUE0:
         raise ConfigError(f"data.source: recall keys and values must be in [2, 64], got "
                           f"{spec.keys}, {spec.values}")
+    if spec.warm_steps < 0 or (spec.warm_steps and not u <= spec.warm_dist <= spec.max_dist):
+        raise ConfigError(f"data.source: recall warm_steps must be >= 0 and warm_dist in "
+                          f"[{u}, max_dist = {spec.max_dist}], got {spec.warm_steps}, "
+                          f"{spec.warm_dist}")
     if not 0 <= spec.other_weight <= 1 or spec.length < 4 * spec.block:
         raise ConfigError(f"data.source: recall other_weight must be in [0, 1] and length >= "
                           f"4 * block, got {spec.other_weight}, {spec.length}")
@@ -258,8 +266,22 @@ def mqar_streams(source: str, val_fraction: float):
         a.flags.writeable = False
     desc = (f"recall mqar: {n_train:,} + {n_val:,} blocks of {spec.block}, {spec.pairs} pairs, "
             f"distances {spec.min_dist}..{spec.max_dist}, {spec.keys} keys, {spec.values} "
-            f"values, other_weight {spec.other_weight}")
+            f"values, other_weight {spec.other_weight}"
+            + (f"; steps < {spec.warm_steps}: distances {spec.min_dist}.."
+               f"{min(spec.warm_dist, spec.max_dist)}" if spec.warm_steps else ""))
     return train, val, w_train, w_val, desc
+
+
+@functools.lru_cache(maxsize=4)
+def mqar_warm_stream(source: str) -> tuple:
+    """(tokens, weights) the first warm_steps training steps draw from: the source's blocks
+    with distances in [min_dist, warm_dist] (a stream of its own seed)."""
+    spec = parse_source(source)
+    near = dataclasses.replace(spec, max_dist=max(spec.min_dist, spec.warm_dist))
+    tokens, weights = mqar_stream(spec.length // spec.block, near,
+                                  np.random.default_rng([spec.seed, 2]))
+    tokens.flags.writeable = weights.flags.writeable = False
+    return tokens, weights
 
 
 @functools.lru_cache(maxsize=4)
@@ -299,8 +321,9 @@ def load_corpus(data_cfg, vocab_size: int):
     spec = parse_source(data_cfg.source)
     if spec.format == "mqar":
         train, val, w_train, w_val, desc = mqar_streams(data_cfg.source, data_cfg.val_fraction)
+        warm = mqar_warm_stream(data_cfg.source) if spec.warm_steps else None
         return Corpus(train, val, vocab_size, desc, train_weights=w_train, val_weights=w_val,
-                      block=spec.block)
+                      block=spec.block, warm_steps=spec.warm_steps, warm=warm)
     train, val, desc = streams(data_cfg.source, data_cfg.val_fraction, data_cfg.max_bytes)
     return Corpus(train, val, vocab_size, desc)
 

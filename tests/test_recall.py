@@ -169,3 +169,24 @@ def test_mqar_joint_and_repeat():
     assert len(rep) and (rep % 2 == 1).all()
     assert (tokens[rep] == tokens[rep - 2]).all() and (tokens[rep - 1] == tokens[rep - 3]).all()
     assert np.flatnonzero(answer == 1).tolist() == sorted((queries + 1).tolist())
+
+
+def test_mqar_warm_steps_draw_only_near_facts_first():
+    """warm_steps=N,warm_dist=D: training batches of steps < N hold answers at most D tokens
+    after their facts; later steps draw the source's full range; validation never warms."""
+    c = data.load_corpus(DataConfig(source=MQAR + ",warm_steps=5,warm_dist=8"), 256)
+
+    def distances(b):
+        out = []
+        for row, w in zip(b["inputs"], b["weights"]):
+            for t in np.flatnonzero(w):  # the query key at t, its fact the same key before it
+                out.append(t - np.flatnonzero(row[:t] == row[t])[0])
+        return np.array(out)
+
+    warm = np.concatenate([distances(c.batch(s, 8, 64, 0)) for s in range(5)])
+    late = np.concatenate([distances(c.batch(s, 8, 64, 0)) for s in range(5, 10)])
+    assert warm.min() >= 2 and warm.max() <= 8
+    assert late.max() > 8 and late.max() <= 62
+    assert distances(c.eval_batches(1, 8, 64)[0]).max() > 8
+    with pytest.raises(ConfigError, match="warm_dist"):
+        recall.parse_source(MQAR + ",warm_steps=5,warm_dist=100")
