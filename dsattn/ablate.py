@@ -337,6 +337,7 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
         "train_tokens_per_s": _tokens_per_s(run_dir),
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
+        "recall_chance": recall.chance(cfg.data.source),
         "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,
@@ -584,7 +585,8 @@ def plots(out, results: list[dict]) -> list[Path]:
         ds = sorted(int(d) for d in rs[0]["recall"])
         _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name],
               name)
-    ax.axhline(recall.CHANCE, color="grey", ls=":", label="chance")
+    ax.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":",
+               label="chance")
     ax.set_xlabel("fact-to-query distance (bytes)")
     ax.set_ylabel("recall accuracy on answer bytes (fraction)")
     ax.set_ylim(-0.02, 1.02)

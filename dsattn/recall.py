@@ -146,6 +146,12 @@ def distance_bounds(spec: RecallSpec, probe_len: int) -> tuple[int, int, int]:
     return PAIR_LEN, probe_len - PAIR_LEN, 1
 
 
+def chance(source: str) -> float:
+    """A guesser's accuracy on a source's answers: 1 / values (format=mqar), else CHANCE."""
+    spec = parse_source(source) if is_recall(source) else RecallSpec()
+    return 1 / spec.values if spec.format == "mqar" else CHANCE
+
+
 def is_recall(source: str) -> bool:
     return source == "recall" or source.startswith("recall:")
 
