@@ -16,6 +16,12 @@ trains its STEPS on blocks of LEN tokens (block=LEN, max_dist capped at LEN - 2,
 at LEN / 8, batch scaled by block / LEN so a step has as many tokens), resuming the same
 run (one learning-rate schedule over train.steps); the rest of train.steps use the config.
 Probes are always the final ones (train.seq_len).
+
+--row NAME: CONFIG is a sweep file (scripts/ablate.py) and the run is that row's, seed
+--seed, with the sweep's shared overrides (KEY=VALUE still apply after them), e.g. the
+ratios sweep's controls:
+    python scripts/recall_curve.py configs/ablations/ratios.yaml --row window --every 100 \
+        --distances 2,4,8,12,16,24,32,48,62 --out window.json
 """
 
 import dataclasses
@@ -28,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli, config, recall  # noqa: E402
+from dsattn import ablate, cli, config, recall, runlog  # noqa: E402
 from dsattn.train import Trainer  # noqa: E402
 
 
@@ -45,8 +51,18 @@ def main(argv=None):
     ap.add_argument("--run-dir", default=None, help="default: a temporary directory")
     ap.add_argument("--out", default=None, help="curve JSON")
     ap.add_argument("--stages", default="", help="curriculum LEN:STEPS,... (format=mqar)")
+    ap.add_argument("--row", default=None, help="CONFIG is a sweep file: train this row")
+    ap.add_argument("--seed", type=int, default=0, help="with --row: the run's seed")
     args = cli.parse(ap, argv)
-    cfg = config.load(args.config, args.overrides)
+    if args.row is None:
+        cfg = config.load(args.config, args.overrides)
+    else:
+        sweep = ablate.load(args.config, args.overrides)
+        rows = {r.name: r for r in sweep.rows}
+        if args.row not in rows:
+            raise SystemExit(f"--row: {args.row!r} is not a row of {args.config}; rows: "
+                             f"{', '.join(rows)}")
+        cfg = sweep.config(rows[args.row], args.seed)
     if not recall.is_recall(cfg.data.source):
         raise SystemExit(f"data.source {cfg.data.source!r} is not a recall source")
     spec = recall.parse_source(cfg.data.source)
@@ -76,8 +92,7 @@ def main(argv=None):
                 tr.run(min(tr.step + args.every, until))
                 train_s += time.time() - t0
                 acc = recall.accuracy(tr.model(), probes)
-                lines = (tr.run_dir / "metrics.jsonl").read_text().splitlines()
-                last = json.loads(lines[-1]) if lines else {}
+                last = (runlog.records(tr.run_dir) or [{}])[-1]
                 point = {"step": tr.step, "train_s": round(train_s, 1),
                          "wall_s": round(time.time() - t_start, 1), "loss": last.get("ce"),
                          "val_loss": last.get("val_loss"),

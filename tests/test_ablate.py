@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from dsattn import ablate
+from dsattn import ablate, recall
 from dsattn.errors import ConfigError
 from tests.helpers import ROOT, run_script
 
@@ -213,7 +213,32 @@ def test_a_second_sweep_on_the_same_directory_is_refused_naming_the_holder(tmp_p
         holder.wait()
 
 
-@pytest.mark.parametrize("name", ["ratios", "topk_window", "v41_parts", "formats"])
+def test_shipped_ratios_sweep_has_its_controls():
+    """The ratios sweep: >= 3 seeds, one recall source for every row, a full-attention row
+    whose window covers the sequence and a window-only row whose two layers reach less than
+    the farthest probe."""
+    sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", "ratios.yaml"))
+    cfgs = {r.name: sweep.config(r, 0) for r in sweep.rows}
+    assert len(sweep.seeds) >= 3 and len(cfgs) >= 5
+    (source,) = {c.data.source for c in cfgs.values()}
+    assert recall.parse_source(source).format == "mqar"
+    full, window = cfgs["full"], cfgs["window"]
+    assert set(full.attention.layers) == set(window.attention.layers) == {"swa"}
+    assert full.attention.window >= full.train.seq_len
+    reach = window.model.n_layers * (window.attention.window - 1)
+    assert reach < max(sweep.distances) and min(sweep.distances) <= reach
+
+
+def test_shipped_topk_window_sweep_shares_the_recall_recipe():
+    ratios = ablate.load(os.path.join(ROOT, "configs", "ablations", "ratios.yaml"))
+    sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", "topk_window.yaml"))
+    cfgs = [sweep.config(r, 0) for r in sweep.rows]
+    assert len(sweep.seeds) >= 3 and len({(c.attention.top_k, c.attention.window)
+                                          for c in cfgs}) == len(cfgs) >= 4
+    assert {c.data.source for c in cfgs} == {ratios.config(ratios.rows[0], 0).data.source}
+
+
+@pytest.mark.parametrize("name", ["v41_parts", "formats"])
 def test_shipped_sweeps_validate(name):
     sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", f"{name}.yaml"))
     assert len(sweep.rows) >= 5 and sweep.full_size and sweep.decode_context == 4096

@@ -230,6 +230,21 @@ def test_demo_compares_v41_with_mha_and_mla_at_its_width():
 
 
 # ----------------------------------------------------------------- 6. docs
+def test_recall_curve_trains_a_sweep_row(tmp_path):
+    """recall_curve --row: a shipped sweep's row, scored on its probes every --every steps."""
+    out = tmp_path / "curve.json"
+    r = script("recall_curve", ROOT / "configs/ablations/ratios.yaml", "--row", "window",
+               "train.steps=2", "--every", "1", "--distances", "2,16", "--per-distance", "2",
+               "--out", out)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    got = json.loads(out.read_text())
+    assert got["config"]["attention"]["window"] == 8
+    assert [p["step"] for p in got["curve"]] == [1, 2]
+    assert all(set(p["acc"]) == {"2", "16"} and 0 <= p["mean_acc"] <= 1 for p in got["curve"])
+    r = script("recall_curve", ROOT / "configs/ablations/ratios.yaml", "--row", "nope")
+    assert r.returncode != 0 and b"not a row" in r.stderr
+
+
 def test_docs_stand_alone():
     readme = (ROOT / "README.md").read_text()
     assert "docs/design.md" in readme and (ROOT / "docs/design.md").exists()
