@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dsattn import plan, sharding
-from dsattn.attention import selectors, sources
+from dsattn.attention import blocks, selectors, sources
 from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
 from dsattn.attention.layer import V4Attention
@@ -21,7 +21,6 @@ from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
-from dsattn.attention import blocks
 from dsattn.nn.remat import in_order as remat_in_order
 from dsattn.plan import Family
 
