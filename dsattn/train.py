@@ -262,9 +262,15 @@ class Trainer:
         return self._model(self.params)
 
     def validation_loss(self) -> float:
+        return float(self.validation_losses()[0])
+
+    def validation_losses(self) -> np.ndarray:
+        """Held-out cross-entropy of each run trained (one here; one per seed in a
+        SeedGroup), the mean over the validation batches."""
         with self._on_mesh():
-            losses = [float(self._eval_step(self.params, b)["ce"]) for b in self.val_batches]
-        return float(np.mean(losses))
+            losses = [np.atleast_1d(jax.device_get(self._eval_step(self.params, b)["ce"]))
+                      for b in self.val_batches]
+        return np.mean(losses, axis=0)
 
     def train_step(self, batch: dict, step: int) -> dict:
         """One optimizer step on `batch` ({"inputs", "targets"}) at schedule step `step`:
@@ -342,23 +348,41 @@ class Trainer:
         On SIGINT or SIGTERM the step in flight finishes, a checkpoint is saved at it, and
         `run` raises KeyboardInterrupt (SIGINT) or SystemExit(128 + 15) (SIGTERM).
         """
+        return self._loop(steps)[0]
+
+    # -- the loop, over the runs this object trains (one; a SeedGroup's seeds) --------------
+    def _runs(self) -> list[Trainer]:
+        return [self]
+
+    def _batch_at(self, step: int) -> dict:
+        t = self.cfg.train
+        return self._batch(self.corpus.batch(step, t.batch_size, t.seq_len, t.seed))
+
+    def _check_not_overtaken(self):
+        self.mngr.reload()
+        if self.mngr.latest_step() != self._saved:
+            raise RunDirLocked(
+                f"{self.run_dir} has a checkpoint at step {self.mngr.latest_step()} that "
+                f"another process saved after this Trainer's step {self._saved}; make a new "
+                f"Trainer to resume from it")
+
+    def _loop(self, steps: int | None) -> list[dict]:
+        runs = self._runs()
         self.lock.acquire()
         caught: list = []
         previous = {}
         try:
-            self.mngr.reload()
-            if self.mngr.latest_step() != self._saved:
-                raise RunDirLocked(
-                    f"{self.run_dir} has a checkpoint at step {self.mngr.latest_step()} that "
-                    f"another process saved after this Trainer's step {self._saved}; make a new "
-                    f"Trainer to resume from it")
+            for r in runs:
+                r._check_not_overtaken()
             previous = self._catch_signals(caught)
-            self._events = tblog.EventLog(self.run_dir, purge_from=self.step + 1)
+            for r in runs:
+                r._events = tblog.EventLog(r.run_dir, purge_from=self.step + 1)
             return self._run(self.cfg.train.steps if steps is None else steps, caught)
         finally:
-            if self._events is not None:
-                self._events.close()
-                self._events = None
+            for r in runs:
+                if r._events is not None:
+                    r._events.close()
+                    r._events = None
             for s, h in previous.items():
                 signal.signal(s, h)
             try:
@@ -366,56 +390,58 @@ class Trainer:
             finally:
                 self.lock.release()
 
-    def _run(self, target: int, caught: list) -> dict:
-        t = self.cfg.train
+    def _run(self, target: int, caught: list) -> list[dict]:
         if self._compiled_step is None:  # compiled ahead, so compile time is not step time
-            batch = self.corpus.batch(self.step, t.batch_size, t.seq_len, t.seed)
             with self._on_mesh():
                 self._compiled_step = self._train_step.lower(
-                    self.params, self.opt_state, self._batch(batch),
+                    self.params, self.opt_state, self._batch_at(self.step),
                     jnp.int32(self.step)).compile()
-        bar = progress.Progress(target, initial=self.step, desc=f"train {self.cfg.name}",
+        runs = self._runs()
+        desc = f"train {self.cfg.name}" + (f" x{len(runs)} seeds" if len(runs) > 1 else "")
+        bar = progress.Progress(target, initial=self.step, desc=desc,
                                 every=self.progress_every, quiet=self.quiet)
         try:
             return self._steps(target, caught, bar)
         finally:
             bar.close()  # before any error's line: not on the bar's line
 
-    def _steps(self, target: int, caught: list, bar: progress.Progress) -> dict:
-        t = self.cfg.train
-        tokens_per_step = t.batch_size * t.seq_len
-        val = None
+    def _steps(self, target: int, caught: list, bar: progress.Progress) -> list[dict]:
+        t, runs = self.cfg.train, self._runs()
+        tokens_per_step = t.batch_size * t.seq_len  # of each run
+        vals = None
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
         while self.step < target and not caught:
             t0 = time.perf_counter()
-            batch = self._batch(self.corpus.batch(self.step, t.batch_size, t.seq_len, t.seed))
             self.params, self.opt_state, metrics = self._compiled_step(
-                self.params, self.opt_state, batch, jnp.int32(self.step))
-            loss = float(metrics["loss"])  # waits for the step
+                self.params, self.opt_state, self._batch_at(self.step), jnp.int32(self.step))
+            metrics = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}  # waits
             step_s += time.perf_counter() - t0
             steps_timed += 1
-            if not math.isfinite(loss):
-                self._finish_saves()
-                where = (f"the last good checkpoint is step {self._saved} in "
-                         f"{self.run_dir / 'checkpoints'}" if self._saved is not None
-                         else "no checkpoint was saved yet")
-                raise NonFiniteLoss(f"training loss became {loss} at step {self.step + 1}; "
-                                    f"{where}")
+            for r, loss in zip(runs, metrics["loss"]):
+                if not math.isfinite(loss):
+                    self._finish_saves()
+                    where = (f"the last good checkpoint is step {r._saved} in "
+                             f"{r.run_dir / 'checkpoints'}" if r._saved is not None
+                             else "no checkpoint was saved yet")
+                    raise NonFiniteLoss(f"{'' if r is self else f'{r.run_dir}: '}training "
+                                        f"loss became {loss} at step {self.step + 1}; {where}")
             self.step += 1
-            tok_s = steps_timed * tokens_per_step / max(step_s, 1e-9)
-            record = {"step": self.step, **{k: float(v) for k, v in metrics.items()},
-                      "tokens_per_s": tok_s, "time": time.time()}
+            tok_s = steps_timed * tokens_per_step / max(step_s, 1e-9)  # each run's own rate
+            records = [{"step": self.step, **{k: float(v[i]) for k, v in metrics.items()},
+                        "tokens_per_s": tok_s, "time": time.time()} for i in range(len(runs))]
             if self.step % t.eval_every == 0 or self.step == target:
-                val = self.validation_loss()
-                record["val_loss"] = val
-            if self.step % t.log_every == 0 or "val_loss" in record:
-                self._log(record)
+                vals = self.validation_losses()
+                for record, val in zip(records, vals):
+                    record["val_loss"] = float(val)
+            if self.step % t.log_every == 0 or "val_loss" in records[0]:
+                for r, record in zip(runs, records):
+                    r._log(record)
                 step_s, steps_timed = 0.0, 0
             if self.step % t.ckpt_every == 0 or self.step == target:
                 self.save()
-            bar.update(fields={"loss": f"{loss:.3f}",
-                               "val": f"{val:.3f}" if val is not None else "-",
+            bar.update(fields={"loss": "/".join(f"{x:.3f}" for x in metrics["loss"]),
+                               "val": "-" if vals is None else "/".join(f"{x:.3f}" for x in vals),
                                "tok/s": f"{tok_s:,.0f}"})
         bar.close()  # before the line below
         if caught:
@@ -423,13 +449,106 @@ class Trainer:
                 self.save()
             self._finish_saves()
             name = signal.Signals(caught[0]).name
-            print(f"{name}: saved a checkpoint at step {self.step} in "
-                  f"{self.run_dir / 'checkpoints'}; rerun the same command to resume",
-                  file=sys.stderr, flush=True)
+            where = ", ".join(str(r.run_dir / "checkpoints") for r in runs)
+            print(f"{name}: saved a checkpoint at step {self.step} in {where}; rerun the same "
+                  f"command to resume", file=sys.stderr, flush=True)
             raise KeyboardInterrupt if caught[0] == signal.SIGINT else SystemExit(128 + caught[0])
         self._finish_saves()
-        return {"step": self.step, "val_loss": val if val is not None else
-                self.validation_loss(), "run_dir": str(self.run_dir)}
+        if vals is None:
+            vals = self.validation_losses()
+        return [{"step": self.step, "val_loss": float(v), "run_dir": str(r.run_dir)}
+                for r, v in zip(runs, vals)]
+
+
+class SeedGroup(Trainer):
+    """Runs of one config that differ only in train.seed, trained together as one model
+    under jax.vmap: their parameters and optimizer states stacked on a leading axis, one
+    compiled step on each seed's own batches (data.batch_at with its seed).
+
+    Each seed stays a Trainer of its own run directory (lock, config.yaml, metrics.jsonl with
+    its own metrics, TensorBoard events, checkpoints): the group saves each seed's slice in
+    the format of a run trained alone, so any seed resumes alone or in another group, and a
+    Trainer's `params` are its seed's after `run`. The members must be at the same step, on
+    one device (no mesh). A non-finite loss in any seed stops the group (NonFiniteLoss names
+    the seed's run directory); each seed then resumes alone from its checkpoint.
+
+    `run` returns one summary per seed, in the members' order.
+    """
+
+    def __init__(self, trainers: list[Trainer]):
+        first = trainers[0]
+        same = lambda tr: {**tr.cfg.to_dict(), "train": {
+            **tr.cfg.to_dict()["train"], "seed": None}} == {
+            **first.cfg.to_dict(), "train": {**first.cfg.to_dict()["train"], "seed": None}}
+        for tr in trainers:
+            if not same(tr):
+                raise ConfigError(f"{tr.run_dir}: a SeedGroup's runs differ only in train.seed")
+            if tr.step != first.step:
+                raise ConfigError(f"{tr.run_dir} is at step {tr.step}, {first.run_dir} at "
+                                  f"{first.step}: a SeedGroup's runs start at one step")
+            if tr.mesh is not None:
+                raise ConfigError(f"{tr.run_dir}: a SeedGroup trains on one device (no mesh)")
+        self.members = list(trainers)
+        self.cfg, self.quiet, self.progress_every = first.cfg, first.quiet, first.progress_every
+        self.graphdef, self.schedule, self.tx = first.graphdef, first.schedule, first.tx
+        self.mesh, self.step = None, first.step
+        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        self.params = stack([tr.params for tr in trainers])
+        self.opt_state = stack([tr.opt_state for tr in trainers])
+        self._saved = self.step if all(tr._saved == tr.step for tr in trainers) else None
+        self.lock = _Locks([tr.lock for tr in trainers])
+        self._train_step = jax.jit(jax.vmap(self._step_impl, in_axes=(0, 0, 0, None)),
+                                   donate_argnums=(0, 1))
+        self._eval_step = jax.jit(jax.vmap(self._eval_impl))
+        self._compiled_step = None
+        self.val_batches = [stack(bs) for bs in zip(*(tr.val_batches for tr in trainers))]
+
+    def _runs(self) -> list[Trainer]:
+        return self.members
+
+    def _batch_at(self, step: int) -> dict:
+        return jax.tree.map(lambda *xs: np.stack(xs), *(tr._batch_at(step) for tr in self.members))
+
+    def run(self, steps: int | None = None) -> list[dict]:
+        return self._loop(steps)
+
+    def save(self):
+        """Each seed's slice saved as its own run's checkpoint (orbax, in the background)."""
+        for i, tr in enumerate(self.members):
+            tr.params = jax.tree.map(lambda x: x[i], self.params)
+            tr.opt_state = jax.tree.map(lambda x: x[i], self.opt_state)
+            tr.step = self.step
+            tr.save()
+        self._saved = self.step
+
+    def _finish_saves(self):
+        for tr in self.members:
+            tr._finish_saves()
+
+    def model(self) -> Transformer:
+        raise TypeError("a SeedGroup holds one model per seed: use its members' model()")
+
+
+class _Locks:
+    """The run directories' locks of a SeedGroup, taken together (all or none)."""
+
+    def __init__(self, locks):
+        self.locks = locks
+
+    def acquire(self):
+        held = []
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                held.append(lock)
+        except BaseException:
+            for lock in held:
+                lock.release()
+            raise
+
+    def release(self):
+        for lock in self.locks:
+            lock.release()
 
 
 class _NoLock:

@@ -67,3 +67,56 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
         train.Trainer(other, tmp_path, quiet=True)
     with pytest.raises(checkpoint.CheckpointMismatch, match="attention.n_kv_heads"):
         checkpoint.load_params(tmp_path, other)
+
+
+def test_seeds_trained_as_one_vmapped_model_equal_runs_trained_alone(tmp_path):
+    """A SeedGroup of two seeds equals each seed trained alone (float64), keeps each seed's
+    metrics and checkpoints in its own run directory, and a seed resumes alone from them."""
+    cfg = lambda seed: preset("mha", *SMALL, "model.dtype=float64", "train.steps=3",
+                              "train.ckpt_every=2", "train.eval_every=3", f"train.seed={seed}")
+    alone = {}
+    for seed in (0, 1):
+        tr = train.Trainer(cfg(seed), tmp_path / f"alone{seed}", quiet=True)
+        alone[seed] = (tr.run(3), tr)
+    group = train.SeedGroup([train.Trainer(cfg(s), tmp_path / f"group{s}", quiet=True)
+                             for s in (0, 1)])
+    out = group.run(2)
+    assert [o["step"] for o in out] == [2, 2]
+    resumed = [train.Trainer(cfg(s), tmp_path / f"group{s}", quiet=True) for s in (0, 1)]
+    assert [tr.step for tr in resumed] == [2, 2]  # each seed's own checkpoint
+    resumed[0].run(3)  # seed 0 alone, seed 1 in a group of one
+    out1 = train.SeedGroup(resumed[1:]).run(3)
+    for seed, tr in enumerate(resumed):
+        summary, ref = alone[seed]
+        chex.assert_trees_all_close(tr.params, ref.params, atol=1e-10, rtol=1e-10)
+        log = [json.loads(l) for l in (tmp_path / f"group{seed}" / "metrics.jsonl")
+               .read_text().splitlines()]
+        ref_log = [json.loads(l) for l in (tmp_path / f"alone{seed}" / "metrics.jsonl")
+                   .read_text().splitlines()]
+        assert [l["step"] for l in log] == [1, 2, 3]
+        np.testing.assert_allclose([l["loss"] for l in log], [l["loss"] for l in ref_log],
+                                   rtol=1e-10)
+    assert out1[0]["val_loss"] == pytest.approx(alone[1][0]["val_loss"], rel=1e-10)
+    assert alone[0][0]["val_loss"] != alone[1][0]["val_loss"]  # the seeds differ
+
+
+def test_seed_group_refuses_runs_that_differ_beyond_the_seed(tmp_path):
+    a = train.Trainer(preset("mha", *SMALL, "train.steps=1"), tmp_path / "a", quiet=True)
+    b = train.Trainer(preset("mha", *SMALL, "train.steps=1", "train.lr=1e-3", "train.seed=1"),
+                      tmp_path / "b", quiet=True)
+    with pytest.raises(train.ConfigError, match="differ only in train.seed"):
+        train.SeedGroup([a, b])
+
+
+def test_a_nan_in_one_seed_stops_the_group_naming_that_seed(tmp_path):
+    trainers = [train.Trainer(preset("mha", *SMALL, "train.steps=2", "train.ckpt_every=1",
+                                     f"train.seed={s}"), tmp_path / f"s{s}", quiet=True)
+                for s in (0, 1)]
+    group = train.SeedGroup(trainers)
+    group.run(1)
+    group.params = jax.tree.map(lambda p: p.at[1].multiply(np.nan), group.params)
+    with pytest.raises(train.NonFiniteLoss,
+                       match=r"s1: training loss became nan at step 2; the last good "
+                             r"checkpoint is step 1"):
+        group.run(2)
+    assert [checkpoint.load_params(tmp_path / f"s{s}")[2] for s in (0, 1)] == [1, 1]
