@@ -13,12 +13,15 @@ rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
     recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
     decode_context: 4096                         # 0: no decode timing
     lengths: [2, 4]                              # also evaluated at 2x, 4x train.seq_len
+    vmap_seeds: true                             # a row's seeds train as one vmapped model
 
 Every file is validated whole before any training: unknown keys, duplicate row names and
 overrides that fail config validation raise ConfigError naming the row and key. Runs live in
 ``OUT/runs/<row>/seed<k>/`` (OUT defaults to runs/ablations/<name>); within a seed every row
 sees the same batches (batches are a function of (train.seed, step) and recall streams have
-their own seed). A run with ``result.json`` is finished and skipped; any other resumes from
+their own seed). A row's seeds train together, as one model vmapped over the seed
+(dsattn.train.SeedGroup: one compiled step, each seed's parameters, batches, metrics and
+checkpoints its own); rows whose shapes differ train one after another. A run with ``result.json`` is finished and skipped; any other resumes from
 its checkpoint; a finished run whose config or measurement settings changed since is refused
 (another --out). results.json / results.csv (one line per run) and summary.csv (one line per
 row: mean, standard deviation and 95% interval over its seeds of every metric,
@@ -50,7 +53,7 @@ from dsattn import kvbytes, plan, progress, recall, runlog, seedstats
 from dsattn.errors import ConfigError, DsattnError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
-              "decode_context", "lengths", "out")
+              "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len")
 CONTEXTS = {"8k": 8192, "128k": 131072}
 # Sections whose overrides keep a meaning at full size (model shape, training and data don't).
@@ -77,6 +80,7 @@ class Sweep:
     decode_context: int
     out: Path
     lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
+    vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
 
     def config(self, row: Row, seed: int):
         return config_lib.load(self.base, [*self.overrides, *row.overrides,
@@ -176,12 +180,15 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
             isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in lengths):
         raise ConfigError(f"lengths: expected a list of integers >= 2 (multiples of "
                           f"train.seq_len), got {lengths!r}")
+    vmap_seeds = raw.get("vmap_seeds", True)
+    if not isinstance(vmap_seeds, bool):
+        raise ConfigError(f"vmap_seeds: expected true or false, got {vmap_seeds!r}")
     name = str(raw.get("name", default_name))
     sweep = Sweep(name=name, base=str(raw["base"]), full_size=raw.get("full_size"),
                   overrides=shared, rows=tuple(rows), seeds=tuple(seeds),
                   distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
                   probe_len=rc.get("seq_len", 0), decode_context=decode,
-                  lengths=tuple(dict.fromkeys(lengths)),
+                  lengths=tuple(dict.fromkeys(lengths)), vmap_seeds=vmap_seeds,
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
 
@@ -304,22 +311,75 @@ def _held_out_loss(model, cfg, seq_len: int) -> float | None:
         return None
 
 
-def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=False,
-            progress_every: int | None = None) -> dict:
-    """Train (or resume) one run and measure it; `probes` by multiple of the training
-    length (1: the sweep's own)."""
+@dataclasses.dataclass
+class Trained:
+    """A run trained to its last step: its Trainer, final held-out loss, this session's
+    training seconds (a group's over its seeds) and how many seeds trained together."""
+    trainer: object  # dsattn.train.Trainer
+    val_loss: float
+    train_s: float = 0.0
+    together: int = 1
+
+
+def train_row(sweep: Sweep, row: Row, seeds, quiet=False,
+              progress_every: int | None = None) -> dict:
+    """Train (or resume) a row's runs for `seeds`: {seed: Trained, or the DsattnError that
+    stopped it}. With `sweep.vmap_seeds`, seeds at the same
+    step train together as one vmapped model (train.SeedGroup); a group that fails (e.g. one
+    seed's loss turns NaN) leaves each seed at its last checkpoint to go on alone."""
+    from dsattn.train import SeedGroup, Trainer
+
+    out, todo = {}, []
+    for seed in seeds:
+        try:
+            tr = Trainer(sweep.config(row, seed), run_dir(sweep, row, seed), quiet=quiet,
+                         progress_every=progress_every)
+        except DsattnError as e:
+            out[seed] = e
+            continue
+        if tr.step < tr.cfg.train.steps:
+            todo.append((seed, tr))
+        else:  # trained to the end before a kill took the measurements
+            out[seed] = Trained(tr, tr.validation_loss())
+    groups: dict = {}
+    for seed, tr in todo:
+        together = sweep.vmap_seeds and tr.mesh is None
+        groups.setdefault(tr.step if together else ("alone", seed), []).append((seed, tr))
+    for members in groups.values():
+        if len(members) > 1:
+            start = time.perf_counter()
+            try:
+                summaries = SeedGroup([tr for _, tr in members]).run()
+            except DsattnError:
+                pass  # each seed goes on alone below, from its last checkpoint
+            else:
+                share = (time.perf_counter() - start) / len(members)
+                out.update({seed: Trained(tr, s["val_loss"], share, len(members))
+                            for (seed, tr), s in zip(members, summaries)})
+                continue
+        for seed, tr in members:
+            start = time.perf_counter()
+            try:
+                out[seed] = Trained(tr, tr.run()["val_loss"], time.perf_counter() - start)
+            except DsattnError as e:
+                out[seed] = e
+    return out
+
+
+def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:
+    return sweep.out / "runs" / row.name / f"seed{seed}"
+
+
+def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
+    """A trained run's result: its held-out loss curve, recall at the sweep's distances and
+    beyond the training length (`probes` by multiple of it, 1: the sweep's own), held-out
+    loss there, KV figures (own and full size) and decode step time."""
     import jax
 
     from dsattn.bench import measures as bench
-    from dsattn.train import Trainer
 
     start = time.perf_counter()
-    cfg = sweep.config(row, seed)
-    trainer = Trainer(cfg, run_dir, quiet=quiet, progress_every=progress_every)
-    if trainer.step < cfg.train.steps:
-        val_loss = trainer.run()["val_loss"]
-    else:  # trained to the end before a kill took the measurements
-        val_loss = trainer.validation_loss()
+    trainer, cfg = run.trainer, run.trainer.cfg
     model = trainer.model()
     acc = recall.accuracy(model, probes[1])
     beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
@@ -331,10 +391,11 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
                                       warmup=1)["step_ms"]
     full, applied, skipped = full_size_config(sweep, row)
     return {
-        "row": row.name, "seed": seed, "overrides": list(row.overrides),
-        "steps": trainer.step, "val_loss": val_loss, "curve": _curve(run_dir),
+        "row": row.name, "seed": cfg.train.seed, "overrides": list(row.overrides),
+        "steps": trainer.step, "val_loss": run.val_loss, "curve": _curve(trainer.run_dir),
         "params": int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))),
-        "train_tokens_per_s": _tokens_per_s(run_dir),
+        "train_tokens_per_s": _tokens_per_s(trainer.run_dir),
+        "seeds_together": run.together,  # trained as one vmapped model with this many seeds
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
         "recall_chance": recall.chance(cfg.data.source),
@@ -342,7 +403,9 @@ def run_one(sweep: Sweep, row: Row, seed: int, run_dir: Path, probes, quiet=Fals
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,
         "full_overrides_applied": applied, "full_overrides_skipped": skipped,
-        "wall_s": time.perf_counter() - start,  # this session's share of the run, all in
+        # this session's share of the run: its training (a group's time over its seeds)
+        # and its measurements
+        "wall_s": run.train_s + time.perf_counter() - start,
     }
 
 
@@ -466,29 +529,35 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
     probes = {m: _probes(sweep, cfg0, m) for m in (1, *sweep.lengths)}
     results = []
-    jobs = [(row, seed, sweep.out / "runs" / row.name / f"seed{seed}")
-            for row in sweep.rows for seed in sweep.seeds]
-    finished = sum((run_dir / "result.json").exists() for _, _, run_dir in jobs)
-    bar = progress.Progress(len(jobs), initial=finished, desc=f"sweep {sweep.name}",
-                            unit="run", every=1, quiet=quiet)  # ETA from the runs trained now
+    finished = {(row.name, seed): run_dir(sweep, row, seed) / "result.json"
+                for row in sweep.rows for seed in sweep.seeds}
+    finished = {k: p for k, p in finished.items() if p.exists()}
+    bar = progress.Progress(len(sweep.rows) * len(sweep.seeds), initial=len(finished),
+                            desc=f"sweep {sweep.name}", unit="run", every=1,
+                            quiet=quiet)  # ETA from the runs trained now
     quiet_runs = quiet or (bar.plain and progress_every is None)  # off a terminal: a line a run
-    for row, seed, run_dir in jobs:
-        done = run_dir / "result.json"
-        if done.exists():
-            result = json.loads(done.read_text())
-        else:
-            bar.note(f"{row.name} seed {seed}")
-            try:
-                result = run_one(sweep, row, seed, run_dir, probes, quiet=quiet_runs,
-                                 progress_every=progress_every)
-                result["fingerprint"] = fingerprint(sweep, row, seed)
-                _write_json(done, result)
-            except DsattnError as e:  # e.g. a NaN loss: recorded, retried on the next rerun
-                result = {"row": row.name, "seed": seed, "error": str(e)}
-            bar.update(fields={"row": row.name, "seed": seed, "val_loss": (
-                f"{result['val_loss']:.4f}" if "val_loss" in result else "FAILED")})
-        results.append(result)
-        write_results(sweep.out, sweep.name, results)
+    for row in sweep.rows:
+        todo = [seed for seed in sweep.seeds if (row.name, seed) not in finished]
+        if todo:
+            bar.note(f"{row.name} seed{'s' if len(todo) > 1 else ''} "
+                     f"{','.join(map(str, todo))}")
+        trained = train_row(sweep, row, todo, quiet=quiet_runs, progress_every=progress_every)
+        for seed in sweep.seeds:
+            if (row.name, seed) in finished:
+                result = json.loads(finished[row.name, seed].read_text())
+            else:
+                try:
+                    if isinstance(trained[seed], DsattnError):
+                        raise trained[seed]
+                    result = measure(sweep, row, trained[seed], probes)
+                    result["fingerprint"] = fingerprint(sweep, row, seed)
+                    _write_json(run_dir(sweep, row, seed) / "result.json", result)
+                except DsattnError as e:  # e.g. a NaN loss: recorded, retried on a rerun
+                    result = {"row": row.name, "seed": seed, "error": str(e)}
+                bar.update(fields={"row": row.name, "seed": seed, "val_loss": (
+                    f"{result['val_loss']:.4f}" if "val_loss" in result else "FAILED")})
+            results.append(result)
+            write_results(sweep.out, sweep.name, results)
     bar.close()
     plots(sweep.out, results)
     return results

@@ -50,6 +50,7 @@ def _write(tmp_path, **sweep):
     ({"recall": {"per_distance": 0}}, r"recall.per_distance: expected an integer >= 1"),
     ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
+    ({"vmap_seeds": "yes"}, r"vmap_seeds: expected true or false"),
     ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
     ({"rows": [{"name": "m", "overrides": [MQAR]}], "recall": {"distances": [7]}},
      r"recall.distances: 7 must be an integer in \[2, 46\] and a multiple of 2"),
@@ -162,6 +163,7 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
             "2": {"16", "80"}, "4": {"32", "160"}}
         assert all(0 < b["val_loss"] < 8 for b in r["beyond"].values())
     assert results[0]["val_loss"] != results[1]["val_loss"]  # seeds differ
+    assert [r["seeds_together"] for r in results] == [2, 2, 2, 2]  # one vmapped model a row
     for png in ("pareto.png", "recall.png", "curves.png"):
         assert os.path.getsize(out / png) > 1000
 
@@ -177,6 +179,7 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     resumed = [json.loads(x)["step"] for x in (last / "metrics.jsonl").read_text().splitlines()]
     assert resumed[-2:] == [3, 4]  # trained on from step 2, not from scratch
     assert again[3]["steps"] == 4 and (last / "result.json").exists()
+    assert again[3]["seeds_together"] == 1  # the only seed left to train
 
     # Scaled up in the same directory: finished runs would be stale, so nothing starts.
     with pytest.raises(ConfigError, match=r"row 'mha' seed 0: .* finished with other"):
