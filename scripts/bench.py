@@ -8,6 +8,8 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
     python scripts/bench.py --mesh [--out runs/bench]
     python scripts/bench.py --long-context [--presets ...] [--lengths 2048,...,65536]
         [--max-step-s 60] [--out runs/bench]
+    python scripts/bench.py --seeds 4 [--sweep configs/ablations/ratios.yaml]
+        [--rows full,csa_m2,hca_m8] [--seed-steps 100] [--out runs/bench]
 
 --depth-sweep instead times compilation and steps against depth: MHA, MLA and DSA stacks at
 4/12/24 layers, the V4 pattern at 6/12/24/43 and the V4.1 pattern at 10/20/40, scanned and
@@ -23,6 +25,10 @@ devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
 --long-context instead measures the training step against the sequence length: its
 temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) for each
 preset, into ``long_context.{json,txt,png}``.
+
+--seeds N instead trains N seeds of each named row of a sweep file as one vmapped model
+(dsattn.train.SeedGroup) and one after another: each seed's tokens/s and the whole set's
+wall time, into ``seeds.{json,txt}``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
 under ``--out``, and checks the benchmark's targets (listed in the README) against the
@@ -96,6 +102,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-step-s", type=float, default=60.0,
                     help="--long-context: stop timing a preset after a step this long "
                          "(0: memory only)")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="seeds vmapped vs one after another (with --sweep, --rows), and stop")
+    ap.add_argument("--sweep", default=str(ROOT / "configs" / "ablations" / "ratios.yaml"),
+                    help="--seeds: the sweep file whose rows train")
+    ap.add_argument("--rows", default="full,csa_m2,hca_m8", help="--seeds: its rows")
+    ap.add_argument("--seed-steps", type=int, default=100, help="--seeds: steps of each run")
     return cli.parse(ap, argv)
 
 
@@ -150,6 +162,15 @@ def main(argv=None) -> dict:
         if not args.no_plots:
             long_context.plot(rows, Path(args.out) / "long_context.png")
         return {"long_context": rows}
+    if args.seeds:
+        from dsattn.bench import seeds
+
+        rows = seeds.measure(args.sweep, [r for r in args.rows.split(",") if r], args.seeds,
+                             args.seed_steps, log=log)
+        (Path(args.out) / "seeds.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "seeds.txt").write_text(seeds.table(rows) + "\n")
+        print(seeds.table(rows))
+        return {"seeds": rows}
     if args.depth_sweep:
         rows = depth.run(args.configs, tuple(p for p in args.presets.split(",") if p), log=log)
         (Path(args.out) / "depth.json").write_text(json.dumps(rows, indent=1))

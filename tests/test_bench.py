@@ -85,3 +85,24 @@ def test_per_device_cache_bytes_on_meshes():
     both = mesh.cache_bytes_per_device(cfg, 8, 1024, (2, 2, 2))
     assert both["stored_bytes_per_device"] == total // 4
     assert both["cache_bytes_per_device"] > both["stored_bytes_per_device"]
+
+
+def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
+    """bench --seeds: each named row of a sweep trained as N seeds vmapped and one after
+    another, with each seed's tokens/s from its run's records; an unknown row is named."""
+    import pytest
+    import yaml
+
+    from dsattn.bench import seeds
+    from tests.test_ablate import MHA, TOY
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": MHA, "overrides": TOY, "decode_context": 0,
+                                    "rows": [{"name": "a", "overrides": []},
+                                             {"name": "b", "overrides": []}]}))
+    (row,) = seeds.measure(path, ["b"], seeds=2, steps=2, log=lambda _: None)
+    assert (row["row"], row["seeds"], row["steps"], row["tokens_per_step"]) == ("b", 2, 2, 96)
+    assert row["alone_tokens_per_s"] > 0 and row["vmapped_tokens_per_s"] > 0
+    assert row["alone_wall_s"] > 0 and row["vmapped_wall_s"] > 0
+    with pytest.raises(ValueError, match=r"no rows \['c'\]"):
+        seeds.measure(path, ["c"], seeds=2, steps=2)
