@@ -232,21 +232,16 @@ def test_shipped_ratios_sweep_has_its_controls():
     assert reach < max(sweep.distances) and min(sweep.distances) <= reach
 
 
-def test_shipped_topk_window_sweep_shares_the_recall_recipe():
+@pytest.mark.parametrize("name", ["topk_window", "v41_parts", "formats"])
+def test_shipped_sweeps_share_the_recall_recipe(name):
+    """Every shipped sweep trains on the ratios sweep's recall source, with >= 3 seeds and
+    rows that differ (no two rows one config)."""
     ratios = ablate.load(os.path.join(ROOT, "configs", "ablations", "ratios.yaml"))
-    sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", "topk_window.yaml"))
-    cfgs = [sweep.config(r, 0) for r in sweep.rows]
-    assert len(sweep.seeds) >= 3 and len({(c.attention.top_k, c.attention.window)
-                                          for c in cfgs}) == len(cfgs) >= 4
-    assert {c.data.source for c in cfgs} == {ratios.config(ratios.rows[0], 0).data.source}
-
-
-@pytest.mark.parametrize("name", ["v41_parts", "formats"])
-def test_shipped_sweeps_validate(name):
     sweep = ablate.load(os.path.join(ROOT, "configs", "ablations", f"{name}.yaml"))
-    assert len(sweep.rows) >= 5 and sweep.full_size and sweep.decode_context == 4096
-    assert {sweep.config(r, 0).data.source for r in sweep.rows} == {
-        "recall:corpus=stdlib,min_dist=16,max_dist=112,density=0.2"}
+    cfgs = [sweep.config(r, 0) for r in sweep.rows]
+    assert len(sweep.seeds) >= 3 and len(cfgs) >= 4
+    assert len({json.dumps(c.to_dict(), sort_keys=True) for c in cfgs}) == len(cfgs)
+    assert {c.data.source for c in cfgs} == {ratios.config(ratios.rows[0], 0).data.source}
 
 
 def test_unreadable_sweep_file(tmp_path):
