@@ -42,6 +42,7 @@ import io
 import json
 import math
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -502,6 +503,52 @@ def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
         for name, m in summaries.items()])
 
 
+def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
+    """The expected training time of the runs a sweep has left, before any of them starts:
+    its first unfinished row's step (its seeds vmapped together, as the sweep trains them)
+    compiled and timed for `timed_steps` steps in a scratch directory, then extrapolated to
+    every unit left (a row's seeds together, or a seed alone) as compile + steps x step
+    time. Every row is costed as the first; validation, checkpoints and measurements are
+    not in it. {"units", "compile_s", "step_s", "seconds"}; seconds 0 when nothing is left."""
+    import tempfile
+
+    import jax
+
+    from dsattn.train import SeedGroup, Trainer
+
+    left = {row: [s for s in sweep.seeds if not (run_dir(sweep, row, s) / "result.json")
+                  .exists()] for row in sweep.rows}
+    left = {row: seeds for row, seeds in left.items() if seeds}
+    if not left:
+        return {"units": 0, "compile_s": 0.0, "step_s": 0.0, "seconds": 0.0}
+    row, seeds = next(iter(left.items()))
+    together = sweep.vmap_seeds
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = [Trainer(sweep.config(row, s), Path(tmp) / str(s), quiet=True)
+                    for s in (seeds if together else seeds[:1])]
+        unit = SeedGroup(trainers) if len(trainers) > 1 else trainers[0]
+        start = time.perf_counter()
+        jax.block_until_ready(unit.train_step(unit.batch_at(0), 0))
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for step in range(1, timed_steps + 1):
+            jax.block_until_ready(unit.train_step(unit.batch_at(step), step))
+        step_s = (time.perf_counter() - start) / timed_steps
+    units = {r: 1 if together else len(s) for r, s in left.items()}
+    seconds = sum(n * (compile_s + sweep.config(r, sweep.seeds[0]).train.steps * step_s)
+                  for r, n in units.items())
+    return {"units": sum(units.values()), "compile_s": compile_s, "step_s": step_s,
+            "seconds": seconds}
+
+
+def estimate_line(sweep: Sweep, e: dict) -> str:
+    if not e["units"]:
+        return f"estimate for sweep {sweep.name}: every run is finished"
+    return (f"estimate for sweep {sweep.name}: about {e['seconds'] / 60:.1f} min of training "
+            f"left: {e['units']} x (compile {e['compile_s']:.1f} s + the steps at "
+            f"{e['step_s']:.3f} s each), every row timed as its first; measurements extra")
+
+
 def run(sweep, overrides=(), out=None, quiet: bool = False,
         progress_every: int | None = None) -> list[dict]:
     """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results.
@@ -518,6 +565,8 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
 
     lock = RunDirLock(sweep.out, "being swept", "another --out")
     try:
+        if not quiet:
+            print(estimate_line(sweep, estimate(sweep)), file=sys.stderr, flush=True)
         return _run(sweep, quiet, progress_every)
     finally:
         lock.release()

@@ -354,7 +354,8 @@ class Trainer:
     def _runs(self) -> list[Trainer]:
         return [self]
 
-    def _batch_at(self, step: int) -> dict:
+    def batch_at(self, step: int) -> dict:
+        """The batch step `step` trains on (in a SeedGroup: each seed's, stacked)."""
         t = self.cfg.train
         return self._batch(self.corpus.batch(step, t.batch_size, t.seq_len, t.seed))
 
@@ -394,7 +395,7 @@ class Trainer:
         if self._compiled_step is None:  # compiled ahead, so compile time is not step time
             with self._on_mesh():
                 self._compiled_step = self._train_step.lower(
-                    self.params, self.opt_state, self._batch_at(self.step),
+                    self.params, self.opt_state, self.batch_at(self.step),
                     jnp.int32(self.step)).compile()
         runs = self._runs()
         desc = f"train {self.cfg.name}" + (f" x{len(runs)} seeds" if len(runs) > 1 else "")
@@ -414,7 +415,7 @@ class Trainer:
         while self.step < target and not caught:
             t0 = time.perf_counter()
             self.params, self.opt_state, metrics = self._compiled_step(
-                self.params, self.opt_state, self._batch_at(self.step), jnp.int32(self.step))
+                self.params, self.opt_state, self.batch_at(self.step), jnp.int32(self.step))
             metrics = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}  # waits
             step_s += time.perf_counter() - t0
             steps_timed += 1
@@ -506,8 +507,9 @@ class SeedGroup(Trainer):
     def _runs(self) -> list[Trainer]:
         return self.members
 
-    def _batch_at(self, step: int) -> dict:
-        return jax.tree.map(lambda *xs: np.stack(xs), *(tr._batch_at(step) for tr in self.members))
+    def batch_at(self, step: int) -> dict:
+        return jax.tree.map(lambda *xs: np.stack(xs),
+                            *(tr.batch_at(step) for tr in self.members))
 
     def run(self, steps: int | None = None) -> list[dict]:
         return self._loop(steps)

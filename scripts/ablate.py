@@ -3,10 +3,13 @@
 
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] [--out DIR] [--quiet]
     python scripts/ablate.py --report SWEEP_DIR
+    python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] --estimate
 
 KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped sweep up).
-Rerunning resumes: finished runs are skipped, an interrupted one resumes from its checkpoint.
-The sweep directory (default runs/ablations/<name>) holds runs/<row>/seed<k>/,
+Before training it prints the expected training time of what is left, from a few timed
+steps of the first unfinished row; --estimate prints only that (e.g. to size an override
+set for an accelerator before committing to it). Rerunning resumes: finished runs are
+skipped, an interrupted one resumes from its checkpoint. The sweep directory (default runs/ablations/<name>) holds runs/<row>/seed<k>/,
 results.csv, results.json, pareto.png, recall.png and curves.png.
 """
 
@@ -23,7 +26,9 @@ def main(argv=None):
     ap.add_argument("sweep", nargs="?", help="sweep file, e.g. configs/ablations/ratios.yaml")
     ap.add_argument("--report", metavar="SWEEP_DIR", help="redraw plots and table, no training")
     ap.add_argument("--out", help="sweep directory (default runs/ablations/<name>)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars (no estimate)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="print the expected training time and stop")
     cli.progress_option(ap, "steps of each run",
                         "none: off a terminal, one line per finished run")
     args = cli.parse(ap, argv)
@@ -34,6 +39,9 @@ def main(argv=None):
         print(f"plots redrawn in {args.report}")
         return None
     sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
+    if args.estimate:
+        print(ablate.estimate_line(sweep, ablate.estimate(sweep)))
+        return None
     results = ablate.run(sweep, quiet=args.quiet, progress_every=args.progress_every)
     print(ablate.table(results))
     print(f"results and plots in {sweep.out}")

@@ -110,7 +110,10 @@ def test_pareto_front():
 
 
 def progress_lines(capsys) -> list[str]:
-    err = capsys.readouterr().err
+    return sweep_lines(capsys.readouterr().err)
+
+
+def sweep_lines(err: str) -> list[str]:
     assert "\r" not in err  # off a terminal: lines, no bars
     return [line for line in err.splitlines() if line.startswith("sweep toy:")]
 
@@ -125,7 +128,9 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     results = ablate.run(path, out=out)
     assert [(r["row"], r["seed"]) for r in results] == [
         ("mha", 0), ("mha", 1), ("mqa", 0), ("mqa", 1)]
-    lines = progress_lines(capsys)  # one line per finished run, with the sweep's ETA
+    err = capsys.readouterr().err
+    assert "estimate for sweep toy: about " in err.splitlines()[0]  # before any training
+    lines = sweep_lines(err)  # one line per finished run, with the sweep's ETA
     assert [line.split(";")[0] for line in lines] == [
         f"sweep toy: run {i + 1}/4 ({25 * (i + 1)}%) row {r['row']} seed {r['seed']} "
         f"val_loss {r['val_loss']:.4f}" for i, r in enumerate(results)]
@@ -169,8 +174,12 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
 
     # Kill the last run after its step-2 checkpoint: no result, no final checkpoint.
     last = out / "runs" / "mqa" / "seed1"
+    sweep = ablate.load(path, out=out)
+    assert ablate.estimate(sweep)["units"] == 0  # every run finished
     (last / "result.json").unlink()
     shutil.rmtree(last / "checkpoints" / "4")
+    left = ablate.estimate(sweep)  # one seed of one row left, timed in a scratch directory
+    assert left["units"] == 1 and left["seconds"] >= 4 * left["step_s"] > 0
     finished = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/result.json")}
     again = ablate.run(path, out=out)
     assert [line.split()[3] for line in progress_lines(capsys)] == ["4/4"]  # 3 were done
