@@ -125,6 +125,10 @@ class Engine:
         self.prefill_fn = jax.jit(partial(_extend_impl, self.graphdef), static_argnums=4,
                                   donate_argnums=3)
         self.decode_fn = jax.jit(partial(_decode_impl, self.graphdef), donate_argnums=2)
+        # sample_loop_fn(state, logits, cache, key, temperature, top_p, eos, max_new, *,
+        # stops, greedy) -> (tokens [B, max_len], counts [B], cache): generate's token loop.
+        self.sample_loop_fn = jax.jit(partial(_sample_loop, self.graphdef), donate_argnums=2,
+                                      static_argnames=("stops", "greedy"))
         self.decode_compilations = 0  # decode programs this engine compiled
         self._seen: dict[int, _Seen] = {}
         self._shapes = None  # an abstract model for init_cache
@@ -300,8 +304,10 @@ class Engine:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
         A row stops at `eos_id` (not included in its output) or once its output ends with one
-        of the `stop` token sequences (included). `on_token(row, token)` is called as tokens
-        are produced. Returns one list of new tokens per prompt. Row i's step-s draw uses
+        of the `stop` token sequences (included). The token loop (sample, record, stop,
+        decode) runs on the device as one compiled program (`sample_loop_fn`), with no host
+        round trip per token; with `on_token(row, token)`, called as tokens are produced, it
+        runs on the host instead, one sync per token, and gives the same tokens. Returns one list of new tokens per prompt. Row i's step-s draw uses
         fold_in(fold_in(PRNGKey(seed), s), i): it does not depend on the other rows.
         Parameters are checked before any work.
         """
@@ -332,6 +338,16 @@ class Engine:
         cache = self.init_cache(b, max_len)
         logits, cache = self.prefill(tokens, [len(p) for p in prompts], cache)
         key = jax.random.PRNGKey(seed)
+        if on_token is None:  # the whole token loop as one compiled program
+            with self._on_mesh():
+                out, n, cache = self.sample_loop_fn(
+                    self.state, logits, cache, key, jnp.float32(max(temperature, 1e-6)),
+                    jnp.float32(top_p), jnp.int32(-1 if eos_id is None else eos_id),
+                    jnp.int32(max_new_tokens), stops=tuple(map(tuple, stop)),
+                    greedy=temperature == 0)
+            check_cache(cache)
+            out, n = jax.device_get((out, n))
+            return [out[i, : n[i]].tolist() for i in range(b)]
         outputs: list[list[int]] = [[] for _ in range(b)]
         done = np.zeros(b, bool)
         for step in range(max_new_tokens):
@@ -424,6 +440,47 @@ def _decode_impl(graphdef, state, tokens, cache):
     logits, cache, _ = _extend_impl(graphdef, state, tokens,
                                     jnp.ones(tokens.shape[:1], jnp.int32), cache)
     return logits, cache
+
+
+def _sample_loop(graphdef, state, logits, cache, key, temperature, top_p, eos, max_new, *,
+                 stops: tuple, greedy: bool):
+    """generate's token loop in one program (lax.while_loop): step s samples each row's
+    token with fold_in(key, s) as `sample` does, appends it unless the row is done or it is
+    `eos` (-1: none), marks rows that drew eos or now end with a stop sequence done, and
+    decodes the sampled tokens while steps and live rows remain. Returns the tokens
+    [B, max_len] (row i's first counts[i] are its output), counts [B] and the cache."""
+    b = logits.shape[0]
+    rows = jnp.arange(b)
+    width = cache_capacity(cache)  # max_new <= max_len: generate checks it
+
+    def body(carry):
+        step, logits, cache, out, n, done = carry
+        nxt = _sample(logits, jax.random.fold_in(key, step), temperature, top_p, greedy)
+        hit_eos = nxt == eos
+        take = ~done & ~hit_eos
+        out = out.at[rows, n].set(jnp.where(take, nxt, out[rows, n]))
+        n = n + take
+        stopped = jnp.zeros(b, bool)
+        for seq in stops:
+            if not seq:
+                continue
+            tail = out[rows[:, None], jnp.maximum(n[:, None] - len(seq), 0)
+                       + jnp.arange(len(seq))]
+            stopped |= (n >= len(seq)) & jnp.all(tail == jnp.array(seq, jnp.int32), axis=1)
+        done = done | hit_eos | (take & stopped)
+        go = (step + 1 < max_new) & ~jnp.all(done)
+        logits, cache = jax.lax.cond(go, lambda: _decode_impl(graphdef, state, nxt, cache),
+                                     lambda: (logits, cache))
+        return step + 1, logits, cache, out, n, done
+
+    def more(carry):
+        step, *_, done = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    start = (jnp.int32(0), logits, cache, jnp.zeros((b, width), jnp.int32),
+             jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
+    _, _, cache, out, n, _ = jax.lax.while_loop(more, body, start)
+    return out, n, cache
 
 
 def split_pools(state: DecodeState, groups: int) -> DecodeState:

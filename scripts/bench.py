@@ -8,6 +8,7 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
     python scripts/bench.py --mesh [--out runs/bench]
     python scripts/bench.py --long-context [--presets ...] [--lengths 2048,...,65536]
         [--max-step-s 60] [--out runs/bench]
+    python scripts/bench.py --generate [--presets v4,v41] [--batches 1,8] [--out runs/bench]
     python scripts/bench.py --seeds 4 [--sweep configs/ablations/ratios.yaml]
         [--rows full,csa_m2,hca_m8] [--seed-steps 100] [--out runs/bench]
 
@@ -25,6 +26,10 @@ devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
 --long-context instead measures the training step against the sequence length: its
 temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) for each
 preset, into ``long_context.{json,txt,png}``.
+
+--generate instead times generate() (64 new tokens after a 16-token prompt, prefill
+included) with its token loop on the device and on the host, alternating, into
+``generate.{json,txt}``.
 
 --seeds N instead trains N seeds of each named row of a sweep file as one vmapped model
 (dsattn.train.SeedGroup) and one after another: each seed's tokens/s and the whole set's
@@ -102,6 +107,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-step-s", type=float, default=60.0,
                     help="--long-context: stop timing a preset after a step this long "
                          "(0: memory only)")
+    ap.add_argument("--generate", action="store_true",
+                    help="generate() tokens/s, device vs host token loop, and stop")
     ap.add_argument("--seeds", type=int, default=0,
                     help="seeds vmapped vs one after another (with --sweep, --rows), and stop")
     ap.add_argument("--sweep", default=str(ROOT / "configs" / "ablations" / "ratios.yaml"),
@@ -145,6 +152,29 @@ def mesh_measures(args) -> dict:
     return result
 
 
+def generate_measures(args) -> dict:
+    from flax import nnx
+
+    from dsattn.bench import measures
+    from dsattn.model import Transformer
+
+    rows = []
+    for name in (p for p in args.presets.split(",") if p):
+        cfg = measures.bench_config(name, args.depth, *args.set, config_dir=args.configs)
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        for b in args.batches:
+            rows.append({"preset": name, "batch": b, **measures.time_generate(model, b)})
+            log(f"{name} batch {b}: {rows[-1]}")
+    lines = [f"{'preset':<8} {'batch':>5} {'host tok/s':>10} {'device tok/s':>12} {'x':>5}"]
+    lines += [f"{r['preset']:<8} {r['batch']:>5} {r['host_tokens_per_s']:>10.0f} "
+              f"{r['device_tokens_per_s']:>12.0f} "
+              f"{r['device_tokens_per_s'] / r['host_tokens_per_s']:>5.2f}" for r in rows]
+    (Path(args.out) / "generate.json").write_text(json.dumps(rows, indent=1))
+    (Path(args.out) / "generate.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return {"generate": rows}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -162,6 +192,8 @@ def main(argv=None) -> dict:
         if not args.no_plots:
             long_context.plot(rows, Path(args.out) / "long_context.png")
         return {"long_context": rows}
+    if args.generate:
+        return generate_measures(args)
     if args.seeds:
         from dsattn.bench import seeds
 

@@ -106,3 +106,10 @@ def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
     assert row["alone_wall_s"] > 0 and row["vmapped_wall_s"] > 0
     with pytest.raises(ValueError, match=r"no rows \['c'\]"):
         seeds.measure(path, ["c"], seeds=2, steps=2)
+
+
+def test_generate_benchmark_times_both_token_loops():
+    cfg = measures.bench_config("mha", 1, config_dir=TINY_CONFIGS)
+    t = measures.time_generate(Transformer(cfg, rngs=nnx.Rngs(0)), 2, new_tokens=4, prompt=3,
+                               repeats=1)
+    assert t["device_tokens_per_s"] > 0 and t["host_tokens_per_s"] > 0

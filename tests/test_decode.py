@@ -106,3 +106,36 @@ def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
         a = model.cfg.attention
         enc, dec = a.ced_split, len(a.layers) - a.ced_split
         assert runs[0][1] == enc * (lengths.sum() + 12) + dec * (replay * 3 + 12)
+
+
+def test_generate_on_the_device_equals_the_host_loop():
+    """generate's compiled token loop gives the tokens of the host loop (the one on_token
+    streams from), row by row: sampling with eos and a stop sequence, ragged prompts, a
+    V4.1 stack (ring and paged caches), and rows that stop at different steps."""
+    model = tiny_model("v41", "model.n_layers=4", "attention.layers=swa, full, full, reuse",
+                       "attention.ratios=0, 2, 1, 1", "attention.ced_split=2")
+    prompts = [[1, 2, 3, 4, 5], [9], [7, 7, 7]]
+    free = generate.generate(model, prompts, 12, temperature=1.0, top_p=0.9, seed=4,
+                             on_token=lambda *_: None)
+    kw = dict(temperature=1.0, top_p=0.9, seed=4, eos_id=free[1][3], stop=[free[2][4:6]])
+    streamed = []
+    host = generate.generate(model, prompts, 12, on_token=lambda i, t: streamed.append((i, t)),
+                             **kw)
+    device = generate.generate(model, prompts, 12, **kw)
+    assert device == host and sorted(streamed) == sorted(
+        (i, t) for i, out in enumerate(host) for t in out)
+
+
+    def cut(out):  # the rule: eos ends a row (left out), a stop sequence ends it (kept)
+        kept = []
+        for t in out:
+            if t == kw["eos_id"]:
+                break
+            kept.append(t)
+            if kept[-2:] == kw["stop"][0]:
+                break
+        return kept
+
+    assert device == [cut(out) for out in free]  # a row's draws do not depend on the others
+    assert len({len(out) for out in device}) > 1  # rows stopped at different steps
+    assert generate.generate(model, prompts, 12, temperature=1.0, top_p=0.9, seed=4) == free

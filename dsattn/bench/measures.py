@@ -136,6 +136,30 @@ def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
             "compilations": generate.decode_compilations() - compiled_before}
 
 
+def time_generate(model: Transformer, batch: int, new_tokens: int = 64, prompt: int = 16,
+                  repeats: int = 5) -> dict:
+    """generate()'s tokens/s (new tokens of all rows over the call's seconds, prefill
+    included, median of `repeats` after a compiling call), with its token loop on the
+    device and on the host (the on_token path: one sync per token), alternating calls so
+    both see the same machine. Sampling at temperature 1 with no eos, so every row makes
+    `new_tokens`."""
+    eng = generate.engine(model)
+    prompts = [[(7 * i + j) % model.cfg.model.vocab_size for j in range(prompt)]
+               for i in range(batch)]
+    kw = dict(temperature=1.0, max_len=prompt + new_tokens)
+    loops = {"device": {}, "host": {"on_token": lambda *_: None}}
+    times: dict = {name: [] for name in loops}
+    for r in range(repeats + 1):
+        for name, extra in loops.items():
+            t0 = time.perf_counter()
+            outs = eng.generate(prompts, new_tokens, seed=r, **kw, **extra)
+            if r:  # the first call compiles
+                times[name].append(time.perf_counter() - t0)
+            assert sum(map(len, outs)) == batch * new_tokens
+    return {f"{name}_tokens_per_s": batch * new_tokens / float(np.median(t))
+            for name, t in times.items()}
+
+
 def _rss_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
