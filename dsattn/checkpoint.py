@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import plan
+from dsattn import migrations, plan
 from dsattn.errors import (CheckpointCorrupt, CheckpointMismatch,  # noqa: F401 (re-exported)
                            CheckpointWriteError, RunDirLocked)
 
@@ -41,56 +41,6 @@ MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 LAYOUT_KEYS = {("model", "scan_layers")}
 # Keys that choose how a program runs (block sizes), not what it computes: free on resume.
 EXECUTION_KEYS = {("attention", "query_block"), ("indexer", "key_block"), ("model", "remat")}
-
-# Parameters that moved when attention layers were composed from a source and a selector
-# (dsattn.plan): old name inside a block's `attn` -> new path. Checkpoints saved before
-# restore into today's layout (params and the optimizer's moments alike).
-MOVED_IN_ATTN = {
-    "compressor": ("source", "compressor"),
-    "key_compressor": ("source", "keys", "compressor"),
-    "key_proj": ("source", "keys", "key_proj"),
-    "key_norm": ("source", "keys", "key_norm"),
-    "source_norm": ("source", "source_norm"),
-    "index_q": ("selector", "index_q"),
-}
-
-
-def _rewrite(tree, key: str, fn):
-    """`tree` with every dict found under `key` replaced by fn(dict), at any nesting of
-    dicts, lists and (named) tuples, as params and optax states (their moments) are."""
-    if isinstance(tree, dict):
-        return {k: fn(v) if k == key and isinstance(v, dict) else _rewrite(v, key, fn)
-                for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_rewrite(v, key, fn) for v in tree))
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_rewrite(v, key, fn) for v in tree)
-    return tree
-
-
-def _upgrade_attn(attn: dict) -> dict:
-    out: dict = {}
-    for key, value in attn.items():
-        *parents, leaf = MOVED_IN_ATTN.get(key, (key,))
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-def _downgrade_attn(attn: dict) -> dict:
-    out = dict(attn)
-    for old, path in MOVED_IN_ATTN.items():
-        node = out
-        for p in path[:-1]:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path[-1] in node:
-            out[old] = node[path[-1]]
-    for group in {path[0] for path in MOVED_IN_ATTN.values()}:
-        out.pop(group, None)
-    return out
-
 
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
@@ -105,31 +55,21 @@ def relayout(tree, units_from, units_to):
         return {j: {"layers": dict(enumerate(item))} if u.scanned else item
                 for j, (u, item) in enumerate(zip(units_to, per_unit(units_to, layers)))}
 
-    return tree if units_from == units_to else _rewrite(tree, "blocks", blocks)
+    return tree if units_from == units_to else migrations.rewrite(tree, "blocks", blocks)
 
 
 def layouts(cfg) -> list:
     """(to_saved, to_current) tree maps for the layouts a run of `cfg`'s model may have
     been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), and the
-    unrolled layout saved before the layer plan (`MOVED_IN_ATTN`)."""
+    unrolled layout saved before the layer plan (migrations.MOVED_IN_ATTN)."""
     def units(scan: bool):
         return plan.units(dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
 
     now, other, unrolled = plan.units(cfg), units(not cfg.model.scan_layers), units(False)
     return [(lambda t: relayout(t, now, other), lambda t: relayout(t, other, now)),
-            (lambda t: legacy_layout(relayout(t, now, unrolled)),
-             lambda t: relayout(current_layout(t), unrolled, now))]
-
-
-def legacy_layout(tree):
-    """A params or optimizer-state tree in the layout saved before the layer plan."""
-    return _rewrite(tree, "attn", _downgrade_attn)
-
-
-def current_layout(tree):
-    """A tree saved before the layer plan, in today's layout (inverse of legacy_layout)."""
-    return _rewrite(tree, "attn", _upgrade_attn)
+            (lambda t: migrations.legacy_layout(relayout(t, now, unrolled)),
+             lambda t: relayout(migrations.current_layout(t), unrolled, now))]
 
 
 class RunDirLock:
@@ -187,7 +127,7 @@ def save_config(run_dir: Path, cfg) -> None:
 def saved_config(run_dir) -> dict | None:
     """The run directory's config.yaml as a plain dict (None if there is none)."""
     path = Path(run_dir) / "config.yaml"
-    return config_lib.upgrade_saved(yaml.safe_load(path.read_text())) if path.exists() else None
+    return migrations.upgrade_saved(yaml.safe_load(path.read_text())) if path.exists() else None
 
 
 def load_run_config(run_dir, overrides=()):

@@ -25,6 +25,7 @@ import yaml
 
 from dsattn import plan
 from dsattn.cache import formats
+from dsattn.migrations import RENAMED, upgrade_saved  # noqa: F401  (upgrade_saved re-exported)
 from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
 from dsattn.plan import Family
 
@@ -268,28 +269,6 @@ def _parse_scalar(v):
         except yaml.YAMLError:
             return v
     return v
-
-
-# Keys renamed since run directories were first written: (section, old) -> new.
-RENAMED = {("indexer", "topk"): "topk_method"}
-
-
-def upgrade_saved(raw: dict) -> dict:
-    """A config dict a run directory saved (`Config.to_yaml`) in today's keys. A dump lists
-    every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
-    was then `attention.head_dim`."""
-    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    att = raw.get("attention")
-    if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
-        att["entry_dim"] = att["head_dim"]
-    model = raw.get("model")
-    if isinstance(model, dict) and "scan_layers" not in model:
-        model["scan_layers"] = False  # trained before scanning existed: its layout unrolled
-    for (section, old), new in RENAMED.items():
-        sec = raw.get(section)
-        if isinstance(sec, dict) and old in sec:
-            sec[new] = sec.pop(old)
-    return raw
 
 
 def _build_section(cls, raw: dict, section: str):

@@ -1,0 +1,89 @@
+"""What changed in saved run directories since they were first written, and how today's
+code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`), and
+parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
+`current_layout`, for params and optimizer moments alike). One place for every migration,
+so a new one is one entry here; dsattn.config and dsattn.checkpoint apply them."""
+
+from __future__ import annotations
+
+
+# Keys renamed since run directories were first written: (section, old) -> new.
+RENAMED = {("indexer", "topk"): "topk_method"}
+
+
+def upgrade_saved(raw: dict) -> dict:
+    """A config dict a run directory saved (`Config.to_yaml`) in today's keys. A dump lists
+    every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
+    was then `attention.head_dim`."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    att = raw.get("attention")
+    if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
+        att["entry_dim"] = att["head_dim"]
+    model = raw.get("model")
+    if isinstance(model, dict) and "scan_layers" not in model:
+        model["scan_layers"] = False  # trained before scanning existed: its layout unrolled
+    for (section, old), new in RENAMED.items():
+        sec = raw.get(section)
+        if isinstance(sec, dict) and old in sec:
+            sec[new] = sec.pop(old)
+    return raw
+
+
+# Parameters that moved when attention layers were composed from a source and a selector
+# (dsattn.plan): old name inside a block's `attn` -> new path. Checkpoints saved before
+# restore into today's layout (params and the optimizer's moments alike).
+MOVED_IN_ATTN = {
+    "compressor": ("source", "compressor"),
+    "key_compressor": ("source", "keys", "compressor"),
+    "key_proj": ("source", "keys", "key_proj"),
+    "key_norm": ("source", "keys", "key_norm"),
+    "source_norm": ("source", "source_norm"),
+    "index_q": ("selector", "index_q"),
+}
+
+
+def rewrite(tree, key: str, fn):
+    """`tree` with every dict found under `key` replaced by fn(dict), at any nesting of
+    dicts, lists and (named) tuples, as params and optax states (their moments) are."""
+    if isinstance(tree, dict):
+        return {k: fn(v) if k == key and isinstance(v, dict) else rewrite(v, key, fn)
+                for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(rewrite(v, key, fn) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(rewrite(v, key, fn) for v in tree)
+    return tree
+
+
+def _upgrade_attn(attn: dict) -> dict:
+    out: dict = {}
+    for key, value in attn.items():
+        *parents, leaf = MOVED_IN_ATTN.get(key, (key,))
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _downgrade_attn(attn: dict) -> dict:
+    out = dict(attn)
+    for old, path in MOVED_IN_ATTN.items():
+        node = out
+        for p in path[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            out[old] = node[path[-1]]
+    for group in {path[0] for path in MOVED_IN_ATTN.values()}:
+        out.pop(group, None)
+    return out
+
+
+def legacy_layout(tree):
+    """A params or optimizer-state tree in the layout saved before the layer plan."""
+    return rewrite(tree, "attn", _downgrade_attn)
+
+
+def current_layout(tree):
+    """A tree saved before the layer plan, in today's layout (inverse of legacy_layout)."""
+    return rewrite(tree, "attn", _upgrade_attn)
