@@ -384,7 +384,13 @@ def _choice(value, allowed, key):
 
 
 def validate(cfg: Config) -> None:
-    m, a, ix, c, t, d = cfg.model, cfg.attention, cfg.indexer, cfg.cache, cfg.train, cfg.data
+    """Raise ConfigError naming the first bad key, section by section (SECTION_CHECKS)."""
+    for check in SECTION_CHECKS:
+        check(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
     for key in ("vocab_size", "d_model", "n_layers", "ffn_hidden", "max_seq_len"):
         _positive(getattr(m, key), f"model.{key}")
     _above_zero(m.norm_eps, "model.norm_eps")
@@ -394,8 +400,11 @@ def validate(cfg: Config) -> None:
             getattr(jax.checkpoint_policies, m.remat, None)):
         raise ConfigError(f"model.remat: {m.remat!r} is not none, block or a "
                           f"jax.checkpoint_policies name")
+
+
+def _check_attention(cfg: Config) -> None:
+    m, a, ix = cfg.model, cfg.attention, cfg.indexer
     fams = plan.families(cfg)
-    indexed = any(s.kind.scans_keys for s in plan.resolve(cfg))
 
     _positive(a.n_heads, "attention.n_heads")
     if a.n_kv_heads < 0:
@@ -445,7 +454,10 @@ def validate(cfg: Config) -> None:
     _positive(ix.key_block, "indexer.key_block")
     plan.check(cfg)
 
-    if indexed:
+
+def _check_indexer(cfg: Config) -> None:
+    a, ix = cfg.attention, cfg.indexer
+    if any(s.kind.scans_keys for s in plan.resolve(cfg)):  # a layer scores keys
         for key in ("n_heads", "head_dim"):
             _positive(getattr(ix, key), f"indexer.{key}")
         _positive(a.top_k, "attention.top_k")
@@ -461,12 +473,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
     _at_least_zero(ix.loss_weight, "indexer.loss_weight")
 
+
+def _check_cache(cfg: Config) -> None:
+    c = cfg.cache
     for role in ("local_format", "main_format", "key_format"):
         _choice(getattr(c, role), tuple(formats.FORMATS), f"cache.{role}")
     _positive(c.page_size, "cache.page_size")
     formats.validate_roles(cfg)
     _check_kernels(cfg)
 
+
+def _check_train(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
     for key in ("batch_size", "seq_len", "steps", "eval_every", "eval_batches", "ckpt_every",
                 "keep_checkpoints", "log_every"):
         _positive(getattr(t, key), f"train.{key}")
@@ -483,23 +501,32 @@ def validate(cfg: Config) -> None:
     _unit(t.min_lr_ratio, "train.min_lr_ratio", closed=True)
     _unit(t.b1, "train.b1", closed=False)
     _unit(t.b2, "train.b2", closed=False)
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.max_bytes < 0:
         raise ConfigError(f"data.max_bytes: must be >= 0, got {d.max_bytes}")
-    _validate_mesh(cfg.mesh)
 
 
-def _validate_mesh(mesh: MeshConfig) -> None:
+def _check_mesh(cfg: Config) -> None:
     """Sizes >= 1 or -1 (at most one); whether they fit the devices is checked when the mesh
     is built (sharding.make_mesh), since a config may be loaded on another machine."""
-    sizes = dataclasses.asdict(mesh)
+    sizes = dataclasses.asdict(cfg.mesh)
     for key, value in sizes.items():
         if value != -1 and value < 1:
             raise ConfigError(f"mesh.{key}: must be >= 1 or -1 (the rest), got {value}")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError("mesh: at most one size may be -1, got "
                           + ", ".join(f"{k}={v}" for k, v in sizes.items()))
+
+
+# validate's checks, in the order errors are reported (the attention section's layer plan
+# before the indexer, which needs it).
+SECTION_CHECKS = (_check_model, _check_attention, _check_indexer, _check_cache, _check_train,
+                  _check_data, _check_mesh)
 
 
 def kernel_misfit(cfg: Config, impl: str) -> str | None:
