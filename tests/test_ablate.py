@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dsattn import ablate, recall
+from dsattn import config as config_lib
 from dsattn.errors import ConfigError
 from tests.helpers import ROOT, run_script
 
@@ -95,7 +96,7 @@ def test_per_layer_ratios_carry_to_full_size_by_role(tmp_path):
     path = _write(tmp_path, base=V4, full_size=V4_FLASH, overrides=["train.steps=5"],
                   rows=[{"name": "mixed", "overrides": [mixed]}])
     full, applied, skipped = ablate.full_size_config(*_sweep_and_row(path))
-    assert skipped == [mixed] and full.attention.ratios == ablate.config_lib.load(
+    assert skipped == [mixed] and full.attention.ratios == config_lib.load(
         V4_FLASH).attention.ratios
 
 

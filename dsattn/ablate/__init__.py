@@ -1,0 +1,239 @@
+"""Ablation sweeps: train one config per (row, seed), measure each run, tabulate and plot.
+
+A sweep file (YAML) names a base preset, shared overrides, rows of overrides (a list of named
+rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
+
+    name: ratios
+    base: configs/tiny/v4.yaml
+    full_size: configs/deepseek/v4_flash.yaml   # kvbytes also at full size (optional)
+    overrides: [train.steps=200, data.source=recall:corpus=stdlib]
+    rows: [{name: base, overrides: []}, {name: w32, overrides: [attention.window=32]}]
+    grid: {attention.csa_ratio: [2, 4], attention.hca_ratio: [8, 16]}   # rows by product
+    seeds: [0, 1]
+    recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
+    decode_context: 4096                         # 0: no decode timing
+    lengths: [2, 4]                              # also evaluated at 2x, 4x train.seq_len
+    vmap_seeds: true                             # a row's seeds train as one vmapped model
+
+Every file is validated whole before any training: unknown keys, duplicate row names and
+overrides that fail config validation raise ConfigError naming the row and key. Runs live in
+``OUT/runs/<row>/seed<k>/`` (OUT defaults to runs/ablations/<name>); within a seed every row
+sees the same batches (batches are a function of (train.seed, step) and recall streams have
+their own seed). A row's seeds train together, as one model vmapped over the seed
+(dsattn.train.SeedGroup: one compiled step, each seed's parameters, batches, metrics and
+checkpoints its own); rows whose shapes differ train one after another. A run with ``result.json`` is finished and skipped; any other resumes from
+its checkpoint; a finished run whose config or measurement settings changed since is refused
+(another --out). results.json / results.csv (one line per run) and summary.csv (one line per
+row: mean, standard deviation and 95% interval over its seeds of every metric,
+dsattn.seedstats) are rewritten after every run, plots at the end. Every run is also evaluated
+beyond its training length (`lengths`, multiples of train.seq_len): held-out loss, and recall
+with probes as many times longer and facts as many times farther back.
+A second process on the same sweep directory is refused (RunDirLocked naming the holder's
+pid), as a second writer of a run directory is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from dsattn import progress
+from dsattn.ablate.full_size import full_size_config  # noqa: F401  (public)
+from dsattn.ablate.measure import Trained, kv_figures, measure, probes_for  # noqa: F401
+from dsattn.ablate.plots import pareto, plots  # noqa: F401  (public)
+from dsattn.ablate.results import (flat, row_summaries, table,  # noqa: F401  (public)
+                                   write_json, write_results)
+from dsattn.ablate.spec import Row, Sweep, from_dict, load, run_dir  # noqa: F401  (public)
+from dsattn.errors import ConfigError, DsattnError
+
+
+def train_row(sweep: Sweep, row: Row, seeds, quiet=False,
+              progress_every: int | None = None) -> dict:
+    """Train (or resume) a row's runs for `seeds`: {seed: Trained, or the DsattnError that
+    stopped it}. With `sweep.vmap_seeds`, seeds at the same
+    step train together as one vmapped model (train.SeedGroup); a group that fails (e.g. one
+    seed's loss turns NaN) leaves each seed at its last checkpoint to go on alone."""
+    from dsattn.train import SeedGroup, Trainer
+
+    out, todo = {}, []
+    for seed in seeds:
+        try:
+            tr = Trainer(sweep.config(row, seed), run_dir(sweep, row, seed), quiet=quiet,
+                         progress_every=progress_every)
+        except DsattnError as e:
+            out[seed] = e
+            continue
+        if tr.step < tr.cfg.train.steps:
+            todo.append((seed, tr))
+        else:  # trained to the end before a kill took the measurements
+            out[seed] = Trained(tr, tr.validation_loss())
+    groups: dict = {}
+    for seed, tr in todo:
+        together = sweep.vmap_seeds and tr.mesh is None
+        groups.setdefault(tr.step if together else ("alone", seed), []).append((seed, tr))
+    for members in groups.values():
+        if len(members) > 1:
+            start = time.perf_counter()
+            try:
+                summaries = SeedGroup([tr for _, tr in members]).run()
+            except DsattnError:
+                pass  # each seed goes on alone below, from its last checkpoint
+            else:
+                share = (time.perf_counter() - start) / len(members)
+                out.update({seed: Trained(tr, s["val_loss"], share, len(members))
+                            for (seed, tr), s in zip(members, summaries)})
+                continue
+        for seed, tr in members:
+            start = time.perf_counter()
+            try:
+                out[seed] = Trained(tr, tr.run()["val_loss"], time.perf_counter() - start)
+            except DsattnError as e:
+                out[seed] = e
+    return out
+
+
+def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
+    """The expected training time of the runs a sweep has left, before any of them starts:
+    its first unfinished row's step (its seeds vmapped together, as the sweep trains them)
+    compiled and timed for `timed_steps` steps in a scratch directory, then extrapolated to
+    every unit left (a row's seeds together, or a seed alone) as compile + steps x step
+    time. Every row is costed as the first; validation, checkpoints and measurements are
+    not in it. {"units", "compile_s", "step_s", "seconds"}; seconds 0 when nothing is left."""
+    import tempfile
+
+    import jax
+
+    from dsattn.train import SeedGroup, Trainer
+
+    left = {row: [s for s in sweep.seeds if not (run_dir(sweep, row, s) / "result.json")
+                  .exists()] for row in sweep.rows}
+    left = {row: seeds for row, seeds in left.items() if seeds}
+    if not left:
+        return {"units": 0, "compile_s": 0.0, "step_s": 0.0, "seconds": 0.0}
+    row, seeds = next(iter(left.items()))
+    together = sweep.vmap_seeds
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = [Trainer(sweep.config(row, s), Path(tmp) / str(s), quiet=True)
+                    for s in (seeds if together else seeds[:1])]
+        unit = SeedGroup(trainers) if len(trainers) > 1 else trainers[0]
+        start = time.perf_counter()
+        jax.block_until_ready(unit.train_step(unit.batch_at(0), 0))
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for step in range(1, timed_steps + 1):
+            jax.block_until_ready(unit.train_step(unit.batch_at(step), step))
+        step_s = (time.perf_counter() - start) / timed_steps
+    units = {r: 1 if together else len(s) for r, s in left.items()}
+    seconds = sum(n * (compile_s + sweep.config(r, sweep.seeds[0]).train.steps * step_s)
+                  for r, n in units.items())
+    return {"units": sum(units.values()), "compile_s": compile_s, "step_s": step_s,
+            "seconds": seconds}
+
+
+def estimate_line(sweep: Sweep, e: dict) -> str:
+    if not e["units"]:
+        return f"estimate for sweep {sweep.name}: every run is finished"
+    return (f"estimate for sweep {sweep.name}: about {e['seconds'] / 60:.1f} min of training "
+            f"left: {e['units']} x (compile {e['compile_s']:.1f} s + the steps at "
+            f"{e['step_s']:.3f} s each), every row timed as its first; measurements extra")
+
+
+def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
+    """What a finished run's numbers depend on: its config and the sweep's measurements."""
+    what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
+            "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
+            "decode_context": sweep.decode_context, "lengths": sweep.lengths,
+            "full_size": sweep.full_size and Path(sweep.full_size).name}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_finished(sweep: Sweep) -> None:
+    """A finished run measured under other settings would be skipped with stale numbers
+    (e.g. a sweep rerun with train.steps=...): refuse before training anything."""
+    for row in sweep.rows:
+        for seed in sweep.seeds:
+            done = sweep.out / "runs" / row.name / f"seed{seed}" / "result.json"
+            if done.exists() and json.loads(done.read_text()).get(
+                    "fingerprint") != fingerprint(sweep, row, seed):
+                raise ConfigError(
+                    f"row {row.name!r} seed {seed}: {done.parent} finished with other settings "
+                    f"(config or measurements); give another --out or delete it")
+
+
+def run(sweep, overrides=(), out=None, quiet: bool = False,
+        progress_every: int | None = None) -> list[dict]:
+    """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results.
+
+    Progress (dsattn.progress): on a terminal a bar over the runs and one over each run's
+    steps; elsewhere a line per finished run with the sweep's ETA, and a run's own lines only
+    with `progress_every` (every N steps)."""
+    if not isinstance(sweep, Sweep):
+        sweep = load(sweep, overrides, out)
+    _check_finished(sweep)
+    # One sweep per directory (the run directories' lock): a second would race this one's
+    # runs and overwrite its results.
+    from dsattn.checkpoint import RunDirLock
+
+    lock = RunDirLock(sweep.out, "being swept", "another --out")
+    try:
+        if not quiet:
+            print(estimate_line(sweep, estimate(sweep)), file=sys.stderr, flush=True)
+        return _run(sweep, quiet, progress_every)
+    finally:
+        lock.release()
+
+
+def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
+    resolved = json.loads(json.dumps(dataclasses.asdict(sweep), default=str))
+    (sweep.out / "sweep.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
+    probes = {m: probes_for(sweep, cfg0, m) for m in (1, *sweep.lengths)}
+    results = []
+    finished = {(row.name, seed): run_dir(sweep, row, seed) / "result.json"
+                for row in sweep.rows for seed in sweep.seeds}
+    finished = {k: p for k, p in finished.items() if p.exists()}
+    bar = progress.Progress(len(sweep.rows) * len(sweep.seeds), initial=len(finished),
+                            desc=f"sweep {sweep.name}", unit="run", every=1,
+                            quiet=quiet)  # ETA from the runs trained now
+    quiet_runs = quiet or (bar.plain and progress_every is None)  # off a terminal: a line a run
+    for row in sweep.rows:
+        todo = [seed for seed in sweep.seeds if (row.name, seed) not in finished]
+        if todo:
+            bar.note(f"{row.name} seed{'s' if len(todo) > 1 else ''} "
+                     f"{','.join(map(str, todo))}")
+        trained = train_row(sweep, row, todo, quiet=quiet_runs, progress_every=progress_every)
+        for seed in sweep.seeds:
+            if (row.name, seed) in finished:
+                result = json.loads(finished[row.name, seed].read_text())
+            else:
+                try:
+                    if isinstance(trained[seed], DsattnError):
+                        raise trained[seed]
+                    result = measure(sweep, row, trained[seed], probes)
+                    result["fingerprint"] = fingerprint(sweep, row, seed)
+                    write_json(run_dir(sweep, row, seed) / "result.json", result)
+                except DsattnError as e:  # e.g. a NaN loss: recorded, retried on a rerun
+                    result = {"row": row.name, "seed": seed, "error": str(e)}
+                bar.update(fields={"row": row.name, "seed": seed, "val_loss": (
+                    f"{result['val_loss']:.4f}" if "val_loss" in result else "FAILED")})
+            results.append(result)
+            write_results(sweep.out, sweep.name, results)
+    bar.close()
+    plots(sweep.out, results)
+    return results
+
+
+def report(sweep_dir) -> str:
+    """Redraw the plots from SWEEP_DIR/results.json (no training); return the table."""
+    path = Path(sweep_dir) / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{sweep_dir}: no results.json; is this a sweep directory?")
+    results = json.loads(path.read_text())["runs"]
+    plots(sweep_dir, results)
+    return table(results)

@@ -1,0 +1,113 @@
+"""What a sweep measures of a trained run: held-out loss along training and beyond its
+length, recall by distance on shared probes, KV byte figures (own config and full size),
+training tokens/s and decode step time. Application code: it may use dsattn.bench."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dsattn import kvbytes, recall, runlog
+from dsattn.ablate.full_size import full_size_config
+from dsattn.ablate.spec import Row, Sweep
+from dsattn.errors import DsattnError
+
+
+CONTEXTS = {"8k": 8192, "128k": 131072}
+def kv_figures(cfg) -> dict:
+    out = {"storage_bytes_per_token": kvbytes.storage_per_token(cfg),
+           "local_bytes": float(kvbytes.local_bytes(cfg))}
+    for tag, ctx in CONTEXTS.items():
+        out[f"read_bytes_{tag}"] = float(kvbytes.report(cfg, ctx)["read_bytes"])
+    return out
+
+
+def _curve(run_dir: Path) -> list[list[float]]:
+    """Held-out loss along training, from metrics.jsonl (the last record per step wins)."""
+    points = {r["step"]: r["val_loss"] for r in runlog.records(run_dir) if "val_loss" in r}
+    return [[s, points[s]] for s in sorted(points)]
+
+
+def _tokens_per_s(run_dir: Path):
+    """Median training tokens/s over the run's metrics records (the Trainer times the steps
+    between records; compile, validation and checkpoint time are not in it)."""
+    rates = [float(r["tokens_per_s"]) for r in runlog.records(run_dir) if "tokens_per_s" in r]
+    return float(np.median(rates)) if rates else None
+
+
+def _held_out_loss(model, cfg, seq_len: int) -> float | None:
+    """Nats per token of the validation split at `seq_len` (None if the split is shorter)."""
+    from dsattn import evaluate
+
+    try:
+        return evaluate.evaluate(model, cfg, [seq_len])[0]["nats_per_token"]
+    except DsattnError:  # the validation split holds fewer than seq_len + 1 tokens
+        return None
+
+
+@dataclasses.dataclass
+class Trained:
+    """A run trained to its last step: its Trainer, final held-out loss, this session's
+    training seconds (a group's over its seeds) and how many seeds trained together."""
+    trainer: object  # dsattn.train.Trainer
+    val_loss: float
+    train_s: float = 0.0
+    together: int = 1
+
+
+def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
+    """A trained run's result: its held-out loss curve, recall at the sweep's distances and
+    beyond the training length (`probes` by multiple of it, 1: the sweep's own), held-out
+    loss there, KV figures (own and full size) and decode step time."""
+    import jax
+
+    from dsattn.bench import measures as bench
+
+    start = time.perf_counter()
+    trainer, cfg = run.trainer, run.trainer.cfg
+    model = trainer.model()
+    acc = recall.accuracy(model, probes[1])
+    beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
+                       "recall": {str(d): a for d, a in recall.accuracy(model, p).items()}}
+              for m, p in probes.items() if m > 1}
+    decode_ms = None
+    if sweep.decode_context:
+        decode_ms = bench.time_decode(model, sweep.decode_context, batch=1, steps=5,
+                                      warmup=1)["step_ms"]
+    full, applied, skipped = full_size_config(sweep, row)
+    return {
+        "row": row.name, "seed": cfg.train.seed, "overrides": list(row.overrides),
+        "steps": trainer.step, "val_loss": run.val_loss, "curve": _curve(trainer.run_dir),
+        "params": int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))),
+        "train_tokens_per_s": _tokens_per_s(trainer.run_dir),
+        "seeds_together": run.together,  # trained as one vmapped model with this many seeds
+        "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
+        "recall": {str(d): a for d, a in acc.items()},
+        "recall_chance": recall.chance(cfg.data.source),
+        "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
+        "kv": kv_figures(cfg),
+        "kv_full": kv_figures(full) if full is not None else None,
+        "full_overrides_applied": applied, "full_overrides_skipped": skipped,
+        # this session's share of the run: its training (a group's time over its seeds)
+        # and its measurements
+        "wall_s": run.train_s + time.perf_counter() - start,
+    }
+
+
+def probes_for(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
+    """Recall probes shared by every run: contexts from the recall validation stream when the
+    sweep trains on one, else from a fresh noise stream; with `times`, rows that many times
+    longer with facts that many times farther back (distances past recall.MAX_DIST left out)."""
+    spec, background = recall.RecallSpec(), None
+    if recall.is_recall(cfg.data.source):
+        spec = recall.parse_source(cfg.data.source)
+        background = recall.streams(cfg.data.source, cfg.data.val_fraction,
+                                    cfg.data.max_bytes)[1]
+        if len(background) < times * sweep.probe_len:
+            background = None
+    most = recall.distance_bounds(spec, times * sweep.probe_len)[1]
+    dists = [times * d for d in sweep.distances if times * d <= min(most, recall.MAX_DIST)]
+    return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)

@@ -1,0 +1,110 @@
+"""A sweep's plots: held-out loss against KV bytes with the Pareto front, recall by
+distance and loss curves; means over seeds with their 95% intervals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dsattn import recall, seedstats
+from dsattn.ablate.results import by_row, row_summaries
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both x and y (lower is better),
+    ordered by x."""
+    front = [i for i, (x, y) in enumerate(points)
+             if not any(x2 <= x and y2 <= y and (x2, y2) != (x, y) for x2, y2 in points)]
+    return sorted(front, key=lambda i: points[i])
+
+
+def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
+    """The mean over seeds (rows of `runs`) as a line, its 95% interval as a band."""
+    st = [seedstats.summary(col) for col in runs.T]
+    ax.plot(xs, [x["mean"] for x in st], "o-" if len(xs) < 20 else "-", color=colour,
+            label=label)
+    if runs.shape[0] > 1:
+        ax.fill_between(xs, [x["lo"] for x in st], [x["hi"] for x in st], color=colour,
+                        alpha=0.2)
+
+
+def plots(out, results: list[dict]) -> list[Path]:
+    """pareto.png, recall.png, curves.png: one colour per row, the mean over seeds and its
+    95% interval (seedstats; none with one seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out, rows = Path(out), by_row(results)
+    if not rows:
+        return []
+    colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
+    col = {name: colours(i % colours.N) for i, name in enumerate(rows)}
+    summaries = row_summaries(results)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    pts = []
+    for name, rs in rows.items():
+        x = rs[0]["kv"]["storage_bytes_per_token"]
+        if x <= 0:  # window-only stacks store nothing global: no place on a log axis
+            continue
+        y = summaries[name]["val_loss"]
+        pts.append({"x": x, "y": y})
+        err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
+        ax.errorbar(x, y["mean"], yerr=err, fmt="o", color=col[name], capsize=3, label=name)
+    front = pareto([(p["x"], p["y"]["mean"]) for p in pts])
+    near = seedstats.overlaps_front(pts, front)
+    ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
+            label="Pareto front (means)")
+    ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
+               facecolors="none", edgecolors="k")
+    if near:
+        ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
+                   facecolors="none", edgecolors="grey", linestyles="dotted",
+                   label="interval reaches the front")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("held-out loss vs KV bytes per token (mean, bars: 95% interval over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "pareto.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, rs in rows.items():
+        ds = sorted(int(d) for d in rs[0]["recall"])
+        _band(ax, ds, np.array([[r["recall"][str(d)] for d in ds] for r in rs]), col[name],
+              name)
+    ax.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":",
+               label="chance")
+    ax.set_xlabel("fact-to-query distance (bytes)")
+    ax.set_ylabel("recall accuracy on answer bytes (fraction)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("recall accuracy vs distance (mean, band: 95% interval over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "recall.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, rs in rows.items():
+        steps = sorted(set.intersection(*[{s for s, _ in r["curve"]} for r in rs]))
+        if not steps:
+            continue
+        _band(ax, steps, np.array([[dict(map(tuple, r["curve"]))[s] for s in steps]
+                                   for r in rs]), col[name], name)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("held-out loss during training (mean, band: 95% interval over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / "curves.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,196 @@
+"""A sweep file: its schema, loading and validation (every row's config built before
+any training), and where its runs live."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from dsattn import config as config_lib
+from dsattn import recall
+from dsattn.ablate.full_size import full_size_config
+from dsattn.errors import ConfigError
+
+
+
+SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
+              "decode_context", "lengths", "vmap_seeds", "out")
+RECALL_KEYS = ("distances", "per_distance", "seq_len")
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str
+    base: str
+    full_size: str | None
+    overrides: tuple[str, ...]
+    rows: tuple[Row, ...]
+    seeds: tuple[int, ...]
+    distances: tuple[int, ...]
+    per_distance: int
+    probe_len: int
+    decode_context: int
+    out: Path
+    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
+    vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
+
+    def config(self, row: Row, seed: int):
+        return config_lib.load(self.base, [*self.overrides, *row.overrides,
+                                           f"train.seed={seed}"])
+
+
+def _override_list(value, where: str) -> tuple[str, ...]:
+    """Overrides as ["k=v", ...] or {k: v}; mapping values become YAML (JSON) text."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        return tuple(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                     for k, v in value.items())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: expected a list of key=value strings or a mapping")
+
+
+def _grid_rows(grid) -> list[Row]:
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise ConfigError("grid: expected a mapping of key -> non-empty list of values")
+    rows = []
+    for values in itertools.product(*grid.values()):
+        ovs = _override_list(dict(zip(grid, values)), "grid")
+        rows.append(Row(",".join(o.split(".", 1)[-1] for o in ovs), ovs))
+    return rows
+
+
+def _find(name, sweep_file: Path) -> str:
+    """A preset path as written (from the working directory), else from the sweep file's
+    folder or one above it (configs/ablations/x.yaml names configs/tiny/...: the repo root)."""
+    if name is None or Path(name).exists():
+        return name
+    for folder in sweep_file.resolve().parents:
+        if (folder / name).exists():
+            return str(folder / name)
+    return name
+
+
+def load(path, overrides=(), out=None) -> Sweep:
+    """Read and validate a sweep file; `overrides` are appended to its shared overrides."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"sweep file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    for key in ("base", "full_size"):
+        if isinstance(raw.get(key), str):
+            raw[key] = _find(raw[key], path)
+    try:
+        return from_dict(raw, overrides, out, default_name=path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
+    for k in raw:
+        if k not in SWEEP_KEYS:
+            raise ConfigError(f"{k}: unknown sweep key; valid keys: {', '.join(SWEEP_KEYS)}")
+    if "base" not in raw:
+        raise ConfigError("base: missing (the preset every row starts from)")
+    rows = []
+    for i, r in enumerate(raw.get("rows") or []):
+        if not isinstance(r, dict) or set(r) - {"name", "overrides"} or "name" not in r:
+            raise ConfigError(f"rows[{i}]: expected {{name: ..., overrides: [...]}}")
+        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}")))
+    if "grid" in raw:
+        rows += _grid_rows(raw["grid"])
+    if not rows:
+        raise ConfigError("rows/grid: the sweep has no rows")
+    seen = set()
+    for r in rows:
+        if r.name in seen:
+            raise ConfigError(f"row {r.name!r}: duplicate row name")
+        if not re.fullmatch(r"[\w.,=+-]+", r.name):
+            raise ConfigError(f"row {r.name!r}: names may use letters, digits and _ . , = + -")
+        seen.add(r.name)
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(
+            isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: expected a list of distinct integers >= 0, got {seeds!r}")
+    rc = raw.get("recall") or {}
+    if not isinstance(rc, dict) or set(rc) - set(RECALL_KEYS):
+        bad = sorted(set(rc) - set(RECALL_KEYS)) if isinstance(rc, dict) else ["?"]
+        raise ConfigError(f"recall.{bad[0]}: unknown key; valid: {', '.join(RECALL_KEYS)}")
+    shared = _override_list(raw.get("overrides"), "overrides") + tuple(overrides)
+    decode = raw.get("decode_context", 4096)
+    if not isinstance(decode, int) or decode < 0:
+        raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
+    lengths = raw.get("lengths", [2, 4])
+    if not isinstance(lengths, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in lengths):
+        raise ConfigError(f"lengths: expected a list of integers >= 2 (multiples of "
+                          f"train.seq_len), got {lengths!r}")
+    vmap_seeds = raw.get("vmap_seeds", True)
+    if not isinstance(vmap_seeds, bool):
+        raise ConfigError(f"vmap_seeds: expected true or false, got {vmap_seeds!r}")
+    name = str(raw.get("name", default_name))
+    sweep = Sweep(name=name, base=str(raw["base"]), full_size=raw.get("full_size"),
+                  overrides=shared, rows=tuple(rows), seeds=tuple(seeds),
+                  distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
+                  probe_len=rc.get("seq_len", 0), decode_context=decode,
+                  lengths=tuple(dict.fromkeys(lengths)), vmap_seeds=vmap_seeds,
+                  out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
+    return _validate(sweep)
+
+
+def _validate(sweep: Sweep) -> Sweep:
+    """Build every row's config (and its full-size twin) now, so no error waits for a run."""
+    for key in ("base", "full_size"):
+        if getattr(sweep, key) and not Path(getattr(sweep, key)).exists():
+            raise ConfigError(f"{key}: {getattr(sweep, key)!r} does not exist")
+    for key, value, least in (("per_distance", sweep.per_distance, 1),
+                              ("seq_len", sweep.probe_len, 0)):  # seq_len 0: train.seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"recall.{key}: expected an integer >= {least}, got {value!r}")
+    cfgs = []
+    for row in sweep.rows:
+        try:
+            cfg = sweep.config(row, sweep.seeds[0])
+            if recall.is_recall(cfg.data.source):
+                recall.parse_source(cfg.data.source)
+            full_size_config(sweep, row)
+        except ConfigError as e:
+            raise ConfigError(f"row {row.name!r}: {e}") from None
+        cfgs.append(cfg)
+    probe_len = sweep.probe_len or cfgs[0].train.seq_len
+    source = cfgs[0].data.source
+    spec = recall.parse_source(source) if recall.is_recall(source) else recall.RecallSpec()
+    least, most, every = recall.distance_bounds(spec, probe_len)
+    dists = sweep.distances or tuple(d for d in (8, 16, 32, 64, 96, 128, 192, 256)
+                                     if d <= most)
+    for d in dists:
+        if not isinstance(d, int) or not least <= d <= most or d % every:
+            raise ConfigError(f"recall.distances: {d!r} must be an integer in [{least}, {most}]"
+                              + (f" and a multiple of {every}" if every > 1 else ""))
+    if spec.format == "mqar":
+        too_long = [m for m in sweep.lengths if m * max(probe_len, cfgs[0].train.seq_len)
+                    > spec.block]
+        if probe_len > spec.block or too_long:
+            raise ConfigError(f"recall format=mqar: probe rows and lengths x train.seq_len "
+                              f"must fit a block of {spec.block} tokens (lengths: [] for none)"
+                              f", got probe_len {probe_len}, lengths {list(sweep.lengths)}")
+    return dataclasses.replace(sweep, distances=tuple(dists), probe_len=probe_len)
+
+
+def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:
+    return sweep.out / "runs" / row.name / f"seed{seed}"
