@@ -24,7 +24,7 @@ import numpy as np
 
 from dsattn import recall
 from dsattn.config import DataConfig
-from dsattn.errors import InputError
+from dsattn.errors import ConfigError, InputError
 
 TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
 FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
@@ -249,11 +249,43 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
                              repr(data_cfg.source))
 
 
+@functools.lru_cache(maxsize=4)
+def recall_streams(source: str, val_fraction: float, max_bytes: int):
+    """(train, val, description) of a recall source (dsattn.recall); cached: every Trainer
+    of a sweep and every probe set reads the same streams."""
+    spec = recall.parse_source(source)
+    if spec.format == "mqar":
+        train, val, _, _, desc = recall.mqar_streams(source, val_fraction)
+        return train, val, desc
+    filler = None
+    if spec.corpus:  # facts planted in a corpus's bytes
+        corpus = load_corpus(DataConfig(source=spec.corpus, val_fraction=val_fraction,
+                                        max_bytes=max_bytes), 256)
+        filler = corpus.train, corpus.val
+    return recall.byte_streams(spec, val_fraction, filler)
+
+
+def _recall_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    if vocab_size < 256:
+        raise ConfigError(f"data.source: recall is byte-level and needs model.vocab_size >= "
+                          f"256, got {vocab_size}")
+    spec = recall.parse_source(data_cfg.source)
+    if spec.format == "mqar":
+        train, val, w_train, w_val, desc = recall.mqar_streams(data_cfg.source,
+                                                               data_cfg.val_fraction)
+        warm = recall.mqar_warm_stream(data_cfg.source) if spec.warm_steps else None
+        return Corpus(train, val, vocab_size, desc, train_weights=w_train, val_weights=w_val,
+                      block=spec.block, warm_steps=spec.warm_steps, warm=warm)
+    train, val, desc = recall_streams(data_cfg.source, data_cfg.val_fraction,
+                                      data_cfg.max_bytes)
+    return Corpus(train, val, vocab_size, desc)
+
+
 # ----------------------------------------------------------------------------- public API
 def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
     """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
     if recall.is_recall(data_cfg.source):  # synthetic long-range task (dsattn/recall.py)
-        return recall.load_corpus(data_cfg, vocab_size)
+        return _recall_corpus(data_cfg, vocab_size)
     if data_cfg.source == "stdlib":
         train, val, desc = _stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes)
         what = "stdlib corpus"

@@ -23,6 +23,9 @@ so chance is 1 / values. Training windows start at block starts (Corpus.block) a
 weighs answer tokens 1 and every other target ``other_weight`` (Corpus weights), so every
 sequence trains recall and nothing else dilutes it:
 ``recall:format=mqar,min_dist=2,max_dist=126,pairs=16,keys=64,values=64``.
+
+This module makes the streams (numpy, no I/O); dsattn.data turns a recall source into a
+Corpus (data.recall_streams, with a corpus's bytes as filler) and never the other way round.
 """
 
 from __future__ import annotations
@@ -290,48 +293,20 @@ def mqar_warm_stream(source: str) -> tuple:
     return tokens, weights
 
 
-@functools.lru_cache(maxsize=4)
-def streams(source: str, val_fraction: float, max_bytes: int):
-    """(train, val, description) for a recall source; cached: every Trainer of a sweep and
-    every probe set reads the same streams."""
-    spec = parse_source(source)
-    if spec.format == "mqar":
-        return mqar_streams(source, val_fraction)[0:2] + mqar_streams(source, val_fraction)[4:]
-    filler_train = filler_val = None
-    if spec.corpus:
-        from dsattn import data  # local: data imports this module for its source hook
-        from dsattn.config import DataConfig
-
-        corpus = data.load_corpus(DataConfig(source=spec.corpus, val_fraction=val_fraction,
-                                             max_bytes=max_bytes), 256)
-        filler_train, filler_val = corpus.train, corpus.val
+def byte_streams(spec: RecallSpec, val_fraction: float, filler=None):
+    """(train, val, description) of a byte-format recall source, its facts planted in
+    `filler` ((train, val) byte arrays of a corpus, dsattn.data loads them) or in noise."""
+    filler_train, filler_val = filler if filler is not None else (None, None)
     n_val = max(round(spec.length * val_fraction), 4 * spec.max_dist)
     rng = np.random.default_rng([spec.seed, 0])
     train = make_stream(spec.length, spec, filler_train, rng)[0]
     val = make_stream(n_val, spec, filler_val, np.random.default_rng([spec.seed, 1]))[0]
     for a in (train, val):
         a.flags.writeable = False
-    filler = f"{spec.corpus} filler" if spec.corpus else "noise filler"
+    kind = f"{spec.corpus} filler" if spec.corpus else "noise filler"
     desc = (f"recall: {len(train):,} + {len(val):,} bytes, distances {spec.min_dist}.."
-            f"{spec.max_dist}, density {spec.density}, {filler}")
+            f"{spec.max_dist}, density {spec.density}, {kind}")
     return train, val, desc
-
-
-def load_corpus(data_cfg, vocab_size: int):
-    """The data.source hook: a recall source as a dsattn.data.Corpus."""
-    from dsattn.data import Corpus
-
-    if vocab_size < 256:
-        raise ConfigError(f"data.source: recall is byte-level and needs model.vocab_size >= "
-                          f"256, got {vocab_size}")
-    spec = parse_source(data_cfg.source)
-    if spec.format == "mqar":
-        train, val, w_train, w_val, desc = mqar_streams(data_cfg.source, data_cfg.val_fraction)
-        warm = mqar_warm_stream(data_cfg.source) if spec.warm_steps else None
-        return Corpus(train, val, vocab_size, desc, train_weights=w_train, val_weights=w_val,
-                      block=spec.block, warm_steps=spec.warm_steps, warm=warm)
-    train, val, desc = streams(data_cfg.source, data_cfg.val_fraction, data_cfg.max_bytes)
-    return Corpus(train, val, vocab_size, desc)
 
 
 # ----------------------------------------------------------------------------- probes

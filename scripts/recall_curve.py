@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import ablate, cli, config, recall, runlog  # noqa: E402
+from dsattn import ablate, cli, config, data, recall, runlog  # noqa: E402
 from dsattn.train import Trainer  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main(argv=None):
     probe_len = args.probe_len or cfg.train.seq_len
     dists = args.distances or [d for d in (4, 8, 16, 32, 48, 64, 80, 96, 112, 126)
                                if d <= probe_len - 2]
-    background = recall.streams(cfg.data.source, cfg.data.val_fraction, cfg.data.max_bytes)[1]
+    background = data.recall_streams(cfg.data.source, cfg.data.val_fraction, cfg.data.max_bytes)[1]
     probes = recall.probes(dists, args.per_distance, probe_len, spec, background)
     stages, end = [], 0
     for item in filter(None, args.stages.split(",")):

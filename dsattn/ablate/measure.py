@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsattn import kvbytes, recall, runlog
+from dsattn import data, kvbytes, recall, runlog
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.spec import Row, Sweep
 from dsattn.errors import DsattnError
@@ -104,7 +104,7 @@ def probes_for(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     spec, background = recall.RecallSpec(), None
     if recall.is_recall(cfg.data.source):
         spec = recall.parse_source(cfg.data.source)
-        background = recall.streams(cfg.data.source, cfg.data.val_fraction,
+        background = data.recall_streams(cfg.data.source, cfg.data.val_fraction,
                                     cfg.data.max_bytes)[1]
         if len(background) < times * sweep.probe_len:
             background = None
