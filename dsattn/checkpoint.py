@@ -276,6 +276,13 @@ def restore(mngr: ocp.CheckpointManager, step: int, **like) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(**args))
 
 
+def _mapped(fn, tree):
+    """fn(tree), or its shapes when `tree` holds shapes only (jax.ShapeDtypeStruct)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        return jax.eval_shape(fn, tree)
+    return fn(tree)
+
+
 def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool = False,
                    layouts=(), **like) -> tuple[int | None, dict | None]:
     """(step, items) of the newest checkpoint (among `steps`, default all) that loads, shaped
@@ -291,7 +298,7 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
     """
     skipped = []
     alternatives = [(alt, back) for alt, back in (
-        ({k: to_saved(v) for k, v in like.items()}, to_current)
+        ({k: _mapped(to_saved, v) for k, v in like.items()}, to_current)
         for to_saved, to_current in layouts) if jax.tree.structure(alt) != jax.tree.structure(like)]
     for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
         try:
@@ -343,11 +350,10 @@ def load_params(run_dir, cfg=None, step: int | None = None):
     if step is not None and step not in mngr.all_steps():
         raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; saved steps: "
                                 f"{', '.join(map(str, mngr.all_steps())) or 'none'}")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
+    # Shapes only: the weights come from the checkpoint, so none are initialised.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     step, restored = restore_latest(mngr, steps=None if step is None else [step],
-                                    layouts=layouts(cfg), params=params)
+                                    layouts=layouts(cfg), params=nnx.to_pure_dict(state))
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to load")
     nnx.replace_by_pure_dict(state, restored["params"])

@@ -153,6 +153,31 @@ def tree_shardings(tree, mesh: Mesh):
                         is_leaf=lambda s: isinstance(s, P))
 
 
+def init_params(make, mesh: Mesh | None = None):
+    """(graphdef, params) of the nnx module `make()` builds. On a mesh of several devices
+    the parameters are created by one jitted program whose outputs are split by RULES, so
+    each device makes only its shards and no parameter ever exists whole on one device;
+    the values equal the one-device init's (jax's random bits do not depend on the layout;
+    float32 rounding may differ in the last bit). On one device, eagerly: compiling the
+    init program costs more than running it op by op."""
+    from flax import nnx
+
+    if mesh is None or mesh.size == 1:
+        graphdef, state = nnx.split(make())
+        return graphdef, nnx.to_pure_dict(state)
+    graphdef, program = init_program(make, mesh)
+    return graphdef, program()
+
+
+def init_program(make, mesh: Mesh):
+    """(graphdef, the jitted program that creates `make()`'s parameters split on `mesh`)."""
+    from flax import nnx
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    out = tree_shardings(nnx.to_pure_dict(abstract), mesh)
+    return graphdef, jax.jit(lambda: nnx.to_pure_dict(nnx.state(make())), out_shardings=out)
+
+
 def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
     """Rows over data and fsdp (as many of them as divide the batch), the rest replicated."""
     return NamedSharding(mesh, spec(("batch",) + (None,) * (len(shape) - 1), shape,

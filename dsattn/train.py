@@ -130,13 +130,12 @@ class Trainer:
             checkpoint.check_compatible(self.run_dir, cfg)
             saved = checkpoint.saved_config(self.run_dir)
             self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
-            model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
-            self.graphdef, state = nnx.split(model)
-            self.params = nnx.to_pure_dict(state)
+            # Born sharded on a mesh: no parameter or moment is ever whole on one device.
+            self.graphdef, self.params = sharding.init_params(
+                lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed)), self.mesh)
             self.schedule = make_schedule(cfg)
             self.tx = make_optimizer(cfg)
-            self.opt_state = self.tx.init(self.params)
-            self._shard_state()
+            self._init_opt_state()
             self.step = 0
             self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints,
                                            writer=self.primary)
@@ -180,15 +179,16 @@ class Trainer:
         self.val_batches = [self._batch(b) for b in self.corpus.eval_batches(
             t.eval_batches, t.batch_size, t.seq_len, seed=t.seed)]
 
-    def _shard_state(self):
-        """Lay params and optimizer state out on the mesh (sharding.RULES); on one device
-        they stay where they are."""
+    def _init_opt_state(self):
+        """The optimizer state for the (already laid out) params, made in their layout on
+        the mesh (sharding.RULES); on one device, where they are."""
         if self.mesh is None:
+            self.opt_state = self.tx.init(self.params)
             return
         self.param_shardings = sharding.tree_shardings(self.params, self.mesh)
-        self.opt_shardings = sharding.tree_shardings(self.opt_state, self.mesh)
-        self.params = sharding.put(self.params, self.param_shardings)
-        self.opt_state = sharding.put(self.opt_state, self.opt_shardings)
+        self.opt_shardings = sharding.tree_shardings(
+            jax.eval_shape(self.tx.init, self.params), self.mesh)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
 
     def _batch(self, batch: dict) -> dict:
         """A host batch (the same on every process) as the step's input: split by rows over

@@ -1,7 +1,7 @@
 """The multi-device checks of tests/test_sharding.py, run in their own process with 8 CPU
 host devices (the rest of the suite sees one): sharded forward, train step, prefill and
 decode against one device, a checkpoint restored onto another mesh shape, and how
-parameters and caches are split.
+parameters (born split: the sharded init program) and caches are split.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_ENABLE_X64=1 \\
         python tests/sharding_checks.py RUN_DIR
@@ -159,6 +159,19 @@ def split_checks(out: dict, trainer: Trainer):
             "n_shards": len(x.addressable_shards)}
 
 
+def init_checks(out: dict):
+    """The sharded init program (sharding.init_program) on (2, 2, 2): per-device output and
+    temporary bytes against the parameters' total and largest sizes."""
+    cfg = preset(TRAIN_PRESET, *SMALL, *mesh_args((2, 2, 2)))
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    _, program = sharding.init_program(make, sharding.make_mesh(cfg))
+    mem = program.lower().compile().memory_analysis()
+    sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.eval_shape(make))]
+    out["init/output_bytes"] = int(mem.output_size_in_bytes)
+    out["init/temp_bytes"] = int(mem.temp_size_in_bytes)
+    out["init/total_bytes"], out["init/largest_bytes"] = int(sum(sizes)), int(max(sizes))
+
+
 def train_checks(out: dict, run_root: str, tokens):
     """One sharded train step vs one single-device step; the split of params and moments;
     a checkpoint saved on (4, 1, 2) restored on (1, 1, 8)."""
@@ -214,7 +227,7 @@ def main(run_root: str):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         parts = [pool.submit(forward_checks, out, tokens, meshes),
                  pool.submit(train_checks, out, run_root, tokens),
-                 pool.submit(decode_checks, out, tokens)]
+                 pool.submit(decode_checks, out, tokens), pool.submit(init_checks, out)]
     for part in parts:
         part.result()  # re-raises a failed check
     out["time/total"] = time.perf_counter() - T0

@@ -89,6 +89,15 @@ def test_parameters_and_moments_are_split(report):
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
 
 
+def test_parameters_are_born_split(report):
+    """The Trainer's init on a mesh is one program whose outputs are already split: each
+    device makes its shards (under half of the parameters' bytes on (2, 2, 2), where most
+    weights split 4 ways) and no temporary as large as the largest parameter. The values
+    equal the one-device init's: test_sharded_train_step_matches_one_device starts from it."""
+    assert report["init/output_bytes"] < report["init/total_bytes"] / 2
+    assert report["init/temp_bytes"] < report["init/largest_bytes"]
+
+
 @pytest.mark.parametrize("name, mesh", [("mla", "(1, 1, 8)"), ("v4", "(8, 1, 1)"),
                                         ("v41", "(2, 2, 2)")])
 def test_sharded_prefill_and_decode_match_one_device(report, name, mesh):
