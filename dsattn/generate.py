@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn import plan, sharding
-from dsattn.cache import paged
+from dsattn.cache.protocol import is_container
 from dsattn.errors import CacheExhausted, InputError
 from dsattn.model import DecodeState, Transformer, check_tokens
 
@@ -486,9 +486,8 @@ def _sample_loop(graphdef, state, logits, cache, key, temperature, top_p, eos, m
 def split_pools(state: DecodeState, groups: int) -> DecodeState:
     """An empty decode state with every paged cache's pool split into `groups` (one per row
     shard of a mesh: paged.regroup)."""
-    regroup = lambda c: paged.regroup(c, groups) if isinstance(c, paged.PagedCache) else c
-    return state.replace(layers=jax.tree.map(
-        regroup, state.layers, is_leaf=lambda c: isinstance(c, paged.PagedCache)))
+    split = lambda c: c.split_rows(groups) if is_container(c) else c  # noqa: E731
+    return state.replace(layers=jax.tree.map(split, state.layers, is_leaf=is_container))
 
 
 def _check_room(start, n_new, max_len: int, who: str) -> None:
@@ -557,10 +556,9 @@ def check_cache(cache) -> None:
             f"row {int(over[0])} reached max_len={cache_capacity(cache)}: a step past it was "
             f"refused for that row (nothing written, NaN logits); size the cache with "
             f"init_cache(..., max_len=...)")
-    is_paged = lambda x: isinstance(x, paged.PagedCache)  # noqa: E731
-    for g in jax.tree.leaves(cache.layers, is_leaf=is_paged):
-        if is_paged(g):
-            paged.check(g)
+    for c in jax.tree.leaves(cache.layers, is_leaf=is_container):
+        if is_container(c):
+            c.check()
 
 
 # ------------------------------------------------------------------------------ sampling

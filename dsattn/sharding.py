@@ -254,7 +254,7 @@ def cache_specs(units, state, mesh: Mesh):
     stacked copies (`units`, plan.units) keep their leading axis whole. MHA's key/value heads
     also split over `tensor`; every other cached vector (an MLA latent, a V4 entry or
     indexer key, a window) is one vector that all heads read, kept whole on each device."""
-    from dsattn.cache.contiguous import Contiguous
+    from dsattn.cache.protocol import is_container
 
     rows = row_axes(mesh, state.pos.shape[0]) or None
     tensor = mesh.shape.get("tensor", 1)
@@ -262,14 +262,11 @@ def cache_specs(units, state, mesh: Mesh):
     def layer(unit, cache):
         lead = (None,) if unit.scanned else ()
 
-        def part(c):
-            if isinstance(c, Contiguous) and c.heads_first:
-                heads = next(iter(c.stored.values())).shape[len(lead) + 1]
-                split = "tensor" if tensor > 1 and heads % tensor == 0 else None
-                return jax.tree.map(lambda x: P(*lead, rows, split), c)
-            return jax.tree.map(lambda x: P(*lead, rows), c)
+        def part(c):  # a container says its own layout; other state: rows, like its rows
+            return (c.specs(lead, rows, tensor) if is_container(c)
+                    else P(*lead, rows))
 
-        return jax.tree.map(part, cache, is_leaf=lambda c: isinstance(c, Contiguous))
+        return jax.tree.map(part, cache, is_leaf=is_container)
 
     return state.replace(pos=P(rows), overflow=P(rows),
                          layers=tuple(layer(u, c) for u, c in zip(units, state.layers)))

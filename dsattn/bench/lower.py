@@ -19,11 +19,9 @@ import numpy as np
 from flax import nnx
 
 from dsattn import generate, kvbytes
-from dsattn.attention.compressor import PoolState
-from dsattn.cache import contiguous, paged, ring
+from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer
 
-_VALUE_CACHES = (contiguous.Contiguous, paged.PagedCache, ring.Ring, PoolState)
 
 
 def abstract_engine(cfg) -> generate.Engine:
@@ -40,15 +38,8 @@ def cache_value_bytes(cache) -> int:
     """Bytes of a decode state's stored vectors (window, entries, keys, latents, K/V), without
     its bookkeeping (positions, page tables, lengths, free stacks, compressor accumulators):
     what kvbytes counts."""
-    total = 0
-    for part in jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, _VALUE_CACHES)):
-        if isinstance(part, contiguous.Contiguous):
-            total += nbytes(part.stored)
-        elif isinstance(part, paged.PagedCache):
-            total += nbytes(part.pages)
-        elif isinstance(part, ring.Ring):
-            total += nbytes(part.kv)
-    return total
+    return sum(c.stored_bytes() for c in jax.tree.leaves(cache.layers, is_leaf=is_container)
+               if is_container(c))
 
 
 def _ops(hlo_text: str) -> int:

@@ -24,8 +24,7 @@ from flax import nnx
 
 from dsattn import config as config_lib
 from dsattn import data, generate, kvbytes, plan
-from dsattn.attention.compressor import PoolState
-from dsattn.cache import contiguous, paged, ring
+from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer, layer_caches, with_layer_caches
 
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
@@ -50,14 +49,11 @@ def bench_config(name: str, depth: int | None, *overrides: str, config_dir):
 
 
 # ------------------------------------------------------------------------------ contexts
-_append = jax.jit(paged.append)  # one compile per cache layout
-
-
 def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
     """The decode state after n tokens per row, with random values: ``pos`` = n, ring slots
     hold positions n-W..n-1, each paged global cache holds n // ratio complete entries
     (appended through ``paged.append``, so page tables and free stacks are real), contiguous
-    caches are filled. Streaming compressor state stays empty (n is expected to be a
+    caches are filled: each cache container's own ``filled`` (cache.protocol). Streaming compressor state stays empty (n is expected to be a
     multiple of every ratio)."""
     key = jax.random.PRNGKey(seed)
     b = cache.pos.shape[0]
@@ -74,26 +70,8 @@ def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
             return (0.5 * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
         return jax.random.randint(sub, shape, 0, 256).astype(dtype)  # packed FP4 bytes
 
-    def filled(part, stride):
-        if isinstance(part, ring.Ring):
-            w = part.pos.shape[1]
-            first = max(n - w, 0)
-            pos = first + (jnp.arange(w) - first) % w
-            return part.replace(kv=jax.tree.map(lambda a: rand(a.shape, a.dtype), part.kv),
-                                pos=jnp.broadcast_to(jnp.where(pos < n, pos, -1),
-                                                     part.pos.shape).astype(jnp.int32))
-        if isinstance(part, paged.PagedCache):
-            e = n // stride
-            new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in part.fields.items()}
-            return _append(part, new, jnp.full((b,), e, jnp.int32))
-        if isinstance(part, contiguous.Contiguous):
-            return part.replace(stored=jax.tree.map(lambda a: rand(a.shape, a.dtype),
-                                                    part.stored))
-        return part  # streaming compressor state: empty at a span boundary
-
-    typed = (ring.Ring, paged.PagedCache, contiguous.Contiguous, PoolState)
-    layers = [jax.tree.map(lambda part, s=spec: filled(part, s.stride), lc,
-                           is_leaf=lambda x: isinstance(x, typed))
+    fill = lambda c, stride: c.filled(n, stride, rand) if is_container(c) else c  # noqa: E731
+    layers = [jax.tree.map(lambda c, s=spec: fill(c, s.stride), lc, is_leaf=is_container)
               for spec, lc in zip(plan.resolve(model.cfg), layer_caches(model.cfg, cache))]
     out = with_layer_caches(model.cfg, cache.replace(pos=jnp.full((b,), n, jnp.int32)), layers)
     generate.check_cache(out)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from dsattn import generate, sharding
-from dsattn.cache import stacked
+from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer
 from dsattn.train import Trainer
 
@@ -40,12 +40,11 @@ def _stored(tree):
     """Same structure: True for the stored vectors (what kvbytes counts), else False."""
     def mark(c):
         flags = jax.tree.map(lambda _: False, c)
-        if isinstance(c, stacked.STORING):
-            flags = flags.replace(**{c.storage: jax.tree.map(lambda _: True,
-                                                             getattr(c, c.storage))})
+        if is_container(c):
+            flags = flags.with_vectors(jax.tree.map(lambda _: True, c.vectors))
         return flags
 
-    return jax.tree.map(mark, tree, is_leaf=lambda c: isinstance(c, stacked.STORING))
+    return jax.tree.map(mark, tree, is_leaf=is_container)
 
 
 def cache_bytes_per_device(cfg, batch: int, context: int, shape) -> dict:

@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax.sharding import PartitionSpec as P
+
 from dsattn.cache import formats
+from dsattn.cache.protocol import Container
 
 
 @struct.dataclass
-class Contiguous:
+class Contiguous(Container):
     """One vector per (row, slot), slot = position: the format's stored arrays, [B, L, ...]
     ([B, G, L, ...] heads first), with the format and layout as static fields."""
 
@@ -28,16 +31,23 @@ class Contiguous:
     rope: int = struct.field(pytree_node=False)
     heads_first: bool = struct.field(pytree_node=False)
 
-    storage = "stored"  # the stored vectors (cache.stacked)
-
-    @property
-    def at(self) -> tuple:
-        return () if self.copy is None else (self.copy,)
+    storage = "stored"  # the stored vectors (cache.protocol)
 
     @property
     def max_len(self) -> int:
         return next(iter(self.stored.values())).shape[len(self.at) + (2 if self.heads_first
                                                                       else 1)]
+
+    def specs(self, lead: tuple, rows, tensor: int):
+        """Heads first (MHA's K/V): heads also split over tensor when they divide it."""
+        if not self.heads_first:
+            return super().specs(lead, rows, tensor)
+        heads = next(iter(self.stored.values())).shape[len(lead) + 1]
+        split = "tensor" if tensor > 1 and heads % tensor == 0 else None
+        return jax.tree.map(lambda _: P(*lead, rows, split), self)
+
+    def filled(self, n: int, stride: int, rand):
+        return self.replace(stored=jax.tree.map(lambda a: rand(a.shape, a.dtype), self.stored))
 
 
 def empty(fmt: str, batch: int, max_len: int, inner: tuple, width: int, rope: int, dtype,

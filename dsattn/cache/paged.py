@@ -56,6 +56,7 @@ from flax import struct
 from flax.core import FrozenDict
 
 from dsattn.cache import formats
+from dsattn.cache.protocol import Container
 from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
@@ -68,7 +69,7 @@ class Field(NamedTuple):
 
 
 @struct.dataclass
-class PagedCache:
+class PagedCache(Container):
     pages: dict  # name -> the format's stored arrays [n_pages, page_size, ...]
     page_table: jax.Array
     length: jax.Array
@@ -80,7 +81,7 @@ class PagedCache:
     page_size: int = struct.field(pytree_node=False)
     max_entries: int = struct.field(pytree_node=False)
 
-    storage = "pages"  # the stored vectors (cache.stacked)
+    storage = "pages"  # the stored vectors (cache.protocol)
 
     @property
     def n_pages(self) -> int:
@@ -98,10 +99,17 @@ class PagedCache:
     def read_all(self, name: str, dtype=jnp.float32):
         return read_all(self, name, dtype)
 
-    @property
-    def at(self) -> tuple:
-        """The index prefix of this cache's pages in `pages` (its copy, if stacked)."""
-        return () if self.copy is None else (self.copy,)
+    def split_rows(self, groups: int) -> "PagedCache":
+        return regroup(self, groups)
+
+    def check(self) -> None:
+        check(self)
+
+    def filled(self, n: int, stride: int, rand) -> "PagedCache":
+        """n // stride entries appended to every row."""
+        e, b = n // stride, self.length.shape[-1]
+        new = {f: rand((b, e, fld.width), jnp.float32) for f, fld in self.fields.items()}
+        return _append_jit(self, new, jnp.full((b,), e, jnp.int32))
 
 
 def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: int,
@@ -353,3 +361,6 @@ def check(cache: PagedCache) -> None:
         f"pass its row's limit was dropped (that row keeps its earlier entries). init_cache("
         f"..., max_len=...) sizes both so that every row can reach max_len: use a larger "
         f"max_len (or a larger n_pages for a pool made with paged.empty)")
+
+
+_append_jit = jax.jit(append)  # one compile per cache layout (benchmark contexts)

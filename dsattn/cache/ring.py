@@ -21,10 +21,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsattn.cache import formats
+from dsattn.cache.protocol import Container
 
 
 @struct.dataclass
-class Ring:
+class Ring(Container):
     kv: dict  # the format's stored arrays [B, W, ...]
     pos: jax.Array  # int32 [B, W]: position held by each slot, -1 empty
     # A scanned layer's copy (cache.stacked): kv stays stacked and is used at [copy].
@@ -32,11 +33,16 @@ class Ring:
     fmt: str = struct.field(pytree_node=False)
     rope: int = struct.field(pytree_node=False)  # trailing rotary dims
 
-    storage = "kv"  # the stored vectors (cache.stacked)
+    storage = "kv"  # the stored vectors (cache.protocol)
 
-    @property
-    def at(self) -> tuple:
-        return () if self.copy is None else (self.copy,)
+    def filled(self, n: int, stride: int, rand):
+        """The last W of n positions held, slot = position mod W."""
+        w = self.pos.shape[-1]
+        first = max(n - w, 0)
+        pos = first + (jnp.arange(w) - first) % w
+        return self.replace(kv=jax.tree.map(lambda a: rand(a.shape, a.dtype), self.kv),
+                            pos=jnp.broadcast_to(jnp.where(pos < n, pos, -1),
+                                                 self.pos.shape).astype(jnp.int32))
 
 
 def _window(ring: Ring) -> int:

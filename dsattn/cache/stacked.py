@@ -5,7 +5,7 @@ A scan body works on one copy. Slicing a copy's stored vectors out of the stacke
 writing them back would copy the whole cache of a layer every step, which is what a decode
 step must never do: it reads only what it selects. So a copy's *view* slices the small leaves
 (positions, page tables, lengths, compressor accumulators) but leaves the stored vectors
-(`storage`: a paged cache's pages, a ring's or contiguous cache's vectors) stacked, with the
+(`storage`, cache.protocol: a paged cache's pages, a ring's or contiguous cache's vectors) stacked, with the
 copy's index in the cache (`copy`); the cache functions read and write them at
 `[copy, ...]`, so XLA updates the stacked arrays in place. `merge` puts a copy's small
 leaves back and takes its (already updated) stored vectors as they are.
@@ -13,40 +13,31 @@ leaves back and takes its (already updated) stored vectors as they are.
 
 import jax
 
-from dsattn.cache.contiguous import Contiguous
-from dsattn.cache.paged import PagedCache
-from dsattn.cache.ring import Ring
-
-STORING = (PagedCache, Ring, Contiguous)  # caches whose vectors stay stacked in a view
-
-
-def _is_storing(node) -> bool:
-    return isinstance(node, STORING)
+from dsattn.cache.protocol import is_container
 
 
 def _without_storage(c):
-    return c.replace(**{c.storage: {}})
+    return c.with_vectors({})
 
 
 def view(stacked, i):
     """Copy `i` (a traced int) of a tree of stacked caches, read and written in place."""
     def one(node):
-        if not _is_storing(node):
+        if not is_container(node):
             return jax.tree.map(lambda a: a[i], node)
         small = jax.tree.map(lambda a: a[i], _without_storage(node))
-        return small.replace(copy=i, **{node.storage: getattr(node, node.storage)})
+        return small.replace(copy=i).with_vectors(node.vectors)
 
-    return jax.tree.map(one, stacked, is_leaf=_is_storing)
+    return jax.tree.map(one, stacked, is_leaf=is_container)
 
 
 def merge(stacked, new, i):
     """`stacked` with copy `i` replaced by `new` (a `view` after the copy's updates)."""
     def one(old, node):
-        if not _is_storing(node):
+        if not is_container(node):
             return jax.tree.map(lambda a, b: a.at[i].set(b), old, node)
         small = jax.tree.map(lambda a, b: a.at[i].set(b), _without_storage(old),
                              _without_storage(node).replace(copy=None))
-        return small.replace(**{node.storage: getattr(node, node.storage)})
+        return small.with_vectors(node.vectors)
 
-    return jax.tree.map(one, stacked, new, is_leaf=_is_storing)
-
+    return jax.tree.map(one, stacked, new, is_leaf=is_container)

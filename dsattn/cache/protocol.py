@@ -1,0 +1,67 @@
+"""What every cache container declares once, so the code around caches (scanned groups,
+sharding, generate's checks, the benchmarks) needs no switch on cache types.
+
+A container is a flax struct dataclass deriving from `Container`, with
+
+- `storage`: the name of its field holding the stored vectors (what kvbytes counts); in a
+  scanned group's per-copy view they stay stacked and are read and written at `at`;
+- `copy`: that copy's index (None: not a view), hence `at`, the index prefix of the stored
+  vectors;
+- its bookkeeping: every other pytree field (positions, page tables, lengths...), sliced
+  per copy like any array;
+
+and may override the hooks below (the defaults suit a container whose rows are
+independent and whose stored vectors are one per row).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+
+class Container:
+    storage: str  # the field of stored vectors
+    copy: jax.Array | None
+
+    @property
+    def at(self) -> tuple:
+        """The index prefix of this cache's stored vectors (its copy, if a stacked view)."""
+        return () if self.copy is None else (self.copy,)
+
+    @property
+    def vectors(self):
+        """The stored vectors (the `storage` field's value)."""
+        return getattr(self, self.storage)
+
+    def with_vectors(self, value):
+        return self.replace(**{self.storage: value})
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored vectors, without the bookkeeping."""
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(self.vectors))
+
+    def split_rows(self, groups: int):
+        """This (empty) cache with its rows in `groups` independent parts, one per row shard
+        of a mesh (a paged pool splits; others are unchanged)."""
+        return self
+
+    def check(self) -> None:
+        """Host-side: raise CacheExhausted if the cache dropped a write (e.g. a page pool
+        ran out)."""
+
+    def specs(self, lead: tuple, rows, tensor: int):
+        """PartitionSpecs of every leaf on a mesh: `lead` (a scanned group's copies axis),
+        then rows over `rows`; `tensor` is the mesh's tensor size."""
+        return jax.tree.map(lambda _: P(*lead, rows), self)
+
+    def filled(self, n: int, stride: int, rand):
+        """As if `n` positions had been written (entries every `stride`), with `rand(shape,
+        dtype)` values: a benchmark's synthetic context."""
+        return self
+
+
+def is_container(node) -> bool:
+    return isinstance(node, Container)
