@@ -477,6 +477,8 @@ class SeedGroup(Trainer):
     """
 
     def __init__(self, trainers: list[Trainer]):
+        if not trainers:
+            raise ConfigError("a SeedGroup needs at least one Trainer")
         first = trainers[0]
         same = lambda tr: {**tr.cfg.to_dict(), "train": {
             **tr.cfg.to_dict()["train"], "seed": None}} == {
@@ -529,6 +531,9 @@ class SeedGroup(Trainer):
 
     def model(self) -> Transformer:
         raise TypeError("a SeedGroup holds one model per seed: use its members' model()")
+
+    def validation_loss(self) -> float:
+        raise TypeError("a SeedGroup has one validation loss per seed: validation_losses()")
 
 
 class _Locks:
