@@ -312,8 +312,9 @@ def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed:
     """Batch of step `step`: random windows from ``default_rng([seed, step])``.
 
     A pure function of (seed, step), so resuming needs no data-iterator state. With `block`,
-    windows start at multiples of it (a corpus of independent blocks); with `weights` (one
-    per token), the batch also has "weights": the loss weight of each target.
+    windows start at multiples of it (a corpus of independent blocks) and hold part of one
+    block or whole blocks; with `weights` (one per token), the batch also has "weights": the
+    loss weight of each target.
     """
     n = len(tokens)
     if n < seq_len + 1:
@@ -322,9 +323,9 @@ def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed:
         raise InputError(f"batch_at: seed and step must be >= 0, got seed={seed}, step={step}")
     rng = np.random.default_rng([seed, step])
     if block:
-        if seq_len > block:
-            raise InputError(f"batch_at: seq_len {seq_len} is longer than the corpus's "
-                             f"sequences of {block} tokens")
+        if seq_len > block and seq_len % block:
+            raise InputError(f"batch_at: seq_len {seq_len} must be at most the corpus's "
+                             f"sequences of {block} tokens, or whole ones")
         starts = rng.integers(0, (n - seq_len - 1) // block + 1, size=batch_size) * block
     else:
         starts = rng.integers(0, n - seq_len, size=batch_size)  # last start is n - seq_len - 1

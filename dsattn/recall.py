@@ -318,13 +318,17 @@ class Probes:
 
 
 def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None = None,
-           background: np.ndarray | None = None, seed: int = 0) -> Probes:
+           background: np.ndarray | None = None, seed: int = 0, prefix: int = 0) -> Probes:
     """Rows of `seq_len` bytes, each with one pair at exactly distance d whose query ends the
     row. The rest of the row is a window of `background` (the validation stream, so the
-    context looks like training) or a fresh stream; the probe's key appears nowhere else."""
+    context looks like training) or a fresh stream; the probe's key appears nowhere else.
+    `prefix` (format=mqar): rows preceded by that many tokens of earlier blocks."""
     spec = spec or RecallSpec()
     if spec.format == "mqar":
-        return _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed)
+        return _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed, prefix)
+    if prefix:
+        raise ValueError("probes: prefix is for format=mqar (byte probes place facts farther "
+                         "back instead)")
     rng = np.random.default_rng([seed, 2])
     if background is None:
         background = make_stream(max(64 * seq_len, 4 * spec.max_dist), spec, None, rng)[0]
@@ -355,26 +359,34 @@ def probes(distances, n_per_distance: int, seq_len: int, spec: RecallSpec | None
     return Probes(np.stack(rows), np.stack(answers), np.array(dists))
 
 
-def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed) -> Probes:
+def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed,
+                 prefix: int = 0) -> Probes:
     """format=mqar probes: the first seq_len tokens of a block (of `background`, block
     aligned, or a fresh one) with a fact planted at q - d and its query at q = seq_len - 2, so
-    the answer is the row's last token; other units with the probe's key become noise."""
+    the answer is the row's last token; other units with the probe's key become noise. With
+    `prefix`, each row is preceded by the `prefix` tokens before its block (earlier blocks:
+    the same facts and distances, at positions that many tokens later)."""
     u = MQAR_UNIT
-    if seq_len > spec.block or seq_len % u:
+    if seq_len > spec.block or seq_len % u or prefix < 0:
         raise ValueError(f"probes: mqar rows of {seq_len} tokens must be even and <= block "
-                         f"{spec.block}")
+                         f"{spec.block} (prefix {prefix} >= 0)")
     rng = np.random.default_rng([seed, 2])
+    first = -(-prefix // spec.block)  # blocks before the first one a row may start at
     if background is None:
-        background = mqar_stream(64, spec, rng)[0]
+        background = mqar_stream(64 + first, spec, rng)[0]
     n_blocks = len(background) // spec.block
-    q = seq_len - u
+    if n_blocks <= first:
+        raise ValueError(f"probes: a background of {n_blocks} blocks has none after a "
+                         f"prefix of {prefix} tokens")
+    q = prefix + seq_len - u
     rows, answers, dists = [], [], []
     for d in distances:
-        if not u <= d <= q or d % u:
-            raise ValueError(f"probes: mqar distance {d} must be even and in [{u}, {q}]")
+        if not u <= d <= seq_len - u or d % u:
+            raise ValueError(f"probes: mqar distance {d} must be even and in "
+                             f"[{u}, {seq_len - u}]")
         for _ in range(n_per_distance):
-            s = int(rng.integers(0, n_blocks)) * spec.block
-            row = np.array(background[s:s + seq_len], np.int32)
+            s = int(rng.integers(first, n_blocks)) * spec.block
+            row = np.array(background[s - prefix:s + seq_len], np.int32)
             key = int(rng.integers(0, spec.keys))
             val = int(rng.integers(0, spec.values))
             # the probe's key occurs nowhere else: its other pair (if any) becomes noise

@@ -55,8 +55,10 @@ def _write(tmp_path, **sweep):
     ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
     ({"rows": [{"name": "m", "overrides": [MQAR]}], "recall": {"distances": [7]}},
      r"recall.distances: 7 must be an integer in \[2, 46\] and a multiple of 2"),
-    ({"rows": [{"name": "m", "overrides": [MQAR]}], "lengths": [2]},
-     r"format=mqar: probe rows and lengths x train.seq_len must fit a block of 48"),
+    ({"rows": [{"name": "m", "overrides": [MQAR]}], "recall": {"seq_len": 64}},
+     r"format=mqar: probe rows must fit a block of 48 tokens, got seq_len 64"),
+    ({"lengths": [2, 64]}, r"row 'mha': lengths \[2, 64\] evaluate 3072 tokens, beyond "
+                           r"model.max_seq_len="),
 ])
 def test_bad_sweep_files_fail_before_training(tmp_path, change, message):
     path = _write(tmp_path, out=str(tmp_path / "out"), **change)
@@ -260,3 +262,14 @@ def test_unreadable_sweep_file(tmp_path):
         ablate.load(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="does not exist"):
         ablate.load(tmp_path / "missing.yaml")
+
+
+def test_mqar_sweep_evaluates_past_its_training_length(tmp_path):
+    """Multi-query recall keeps its facts within a block, so at 2x the training length the
+    sweep probes the same distances after an earlier block: held-out loss and recall at
+    positions the model never trained on."""
+    path = _write(tmp_path, overrides=[*TOY, MQAR], lengths=[2], decode_context=0,
+                  recall={"distances": [2, 46], "per_distance": 2})
+    (r,) = ablate.run(path, out=tmp_path / "sweep", quiet=True)
+    assert set(r["recall"]) == set(r["beyond"]["2"]["recall"]) == {"2", "46"}
+    assert 0 < r["beyond"]["2"]["val_loss"] < 8

@@ -10,6 +10,7 @@ import pytest
 
 from dsattn import data
 from dsattn.config import DataConfig
+from dsattn.errors import InputError
 
 SMALL = 200_000  # stdlib cap used by the tests: keeps them fast
 
@@ -195,3 +196,13 @@ def test_encode_decode_round_trip():
     np.testing.assert_array_equal(toks, np.frombuffer(text.encode("utf-8"), np.uint8))
     assert data.decode(toks) == text
     assert data.decode(toks[:2]) == "h\ufffd"  # cut mid-character: replaced, not an error
+
+
+def test_block_windows_hold_part_of_a_block_or_whole_blocks():
+    tokens = np.arange(10 * 8, dtype=np.int32)  # 10 blocks of 8
+    for seq_len in (5, 16):
+        b = data.batch_at(tokens, 3, 6, seq_len, 0, block=8)
+        assert (b["inputs"][:, 0] % 8 == 0).all()  # every window starts a block
+        np.testing.assert_array_equal(b["targets"], b["inputs"] + 1)
+    with pytest.raises(InputError, match="at most the corpus's sequences of 8 tokens, or whole"):
+        data.batch_at(tokens, 0, 2, 12, 0, block=8)

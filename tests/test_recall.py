@@ -138,6 +138,17 @@ def test_mqar_probes_and_weighted_loss():
     for row, d, ans in zip(p.tokens, p.distance, p.answer_pos):
         assert list(ans) == [63] and row[62] == row[62 - d] and row[63] == row[63 - d]
         assert (row == row[62]).sum() == 2  # the probe's key occurs only in its pair
+    # Past the training length: the same probes after 128 tokens of two earlier blocks.
+    stream = recall.mqar_stream(8, spec, np.random.default_rng(3))[0]
+    far = recall.probes([2, 16, 62], 4, 64, spec, stream, prefix=128)
+    for row, d, ans in zip(far.tokens, far.distance, far.answer_pos):
+        assert len(row) == 192 and list(ans) == [191]
+        assert row[190] == row[190 - d] and row[191] == row[191 - d]
+        assert (row == row[190]).sum() == 2  # not in the earlier blocks either
+        # the prefix is the two blocks before a block of the stream, the probe's key
+        # scrubbed (a few tokens)
+        assert min((stream[s - 128:s] != row[:128]).sum()
+                   for s in range(128, len(stream) - 63, 64)) <= 8
     from dsattn.train import loss_fn
     cfg = preset("mha", "model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64",
                  "attention.head_dim=8", "model.dtype=float32")

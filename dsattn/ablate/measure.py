@@ -99,15 +99,20 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
 
 def probes_for(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     """Recall probes shared by every run: contexts from the recall validation stream when the
-    sweep trains on one, else from a fresh noise stream; with `times`, rows that many times
-    longer with facts that many times farther back (distances past recall.MAX_DIST left out)."""
+    sweep trains on one, else from a fresh noise stream. With `times`, rows that many times
+    longer: byte recall places facts that many times farther back (distances past
+    recall.MAX_DIST left out); multi-query recall (facts within a block) keeps the distances
+    and puts earlier blocks before the probe, so it sits past the training length."""
     spec, background = recall.RecallSpec(), None
     if recall.is_recall(cfg.data.source):
         spec = recall.parse_source(cfg.data.source)
         background = data.recall_streams(cfg.data.source, cfg.data.val_fraction,
-                                    cfg.data.max_bytes)[1]
+                                         cfg.data.max_bytes)[1]
         if len(background) < times * sweep.probe_len:
             background = None
+    if spec.format == "mqar":
+        return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
+                             background, prefix=(times - 1) * sweep.probe_len)
     most = recall.distance_bounds(spec, times * sweep.probe_len)[1]
     dists = [times * d for d in sweep.distances if times * d <= min(most, recall.MAX_DIST)]
     return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)

@@ -182,13 +182,16 @@ def _validate(sweep: Sweep) -> Sweep:
         if not isinstance(d, int) or not least <= d <= most or d % every:
             raise ConfigError(f"recall.distances: {d!r} must be an integer in [{least}, {most}]"
                               + (f" and a multiple of {every}" if every > 1 else ""))
-    if spec.format == "mqar":
-        too_long = [m for m in sweep.lengths if m * max(probe_len, cfgs[0].train.seq_len)
-                    > spec.block]
-        if probe_len > spec.block or too_long:
-            raise ConfigError(f"recall format=mqar: probe rows and lengths x train.seq_len "
-                              f"must fit a block of {spec.block} tokens (lengths: [] for none)"
-                              f", got probe_len {probe_len}, lengths {list(sweep.lengths)}")
+    if spec.format == "mqar" and probe_len > spec.block:
+        raise ConfigError(f"recall format=mqar: probe rows must fit a block of {spec.block} "
+                          f"tokens, got seq_len {probe_len}")
+    for row, cfg in zip(sweep.rows, cfgs):
+        longest = max((m * max(probe_len, cfg.train.seq_len) for m in sweep.lengths),
+                      default=0)
+        if longest > cfg.model.max_seq_len:
+            raise ConfigError(f"row {row.name!r}: lengths {list(sweep.lengths)} evaluate "
+                              f"{longest} tokens, beyond model.max_seq_len="
+                              f"{cfg.model.max_seq_len}")
     return dataclasses.replace(sweep, distances=tuple(dists), probe_len=probe_len)
 
 
