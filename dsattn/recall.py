@@ -468,5 +468,37 @@ def _argmax_jit(graphdef):
 
 
 def accuracy(model, p: Probes) -> dict[int, float]:
-    """The model's recall accuracy per distance on probes `p`."""
+    """The model's recall accuracy per distance on probes `p` (its training forward)."""
     return score(model_predictions(model, p.tokens), p)
+
+
+def cache_predictions(model, p: Probes, batch: int = 32) -> np.ndarray:
+    """Predictions at the answer positions as deployed: each row prefilled into a decode cache
+    (its stored vectors in the cache formats) up to its first answer, the rest decoded
+    teacher-forced, one decode step a token. Other positions are left 0."""
+    from dsattn import generate
+
+    pos = p.answer_pos[0]
+    if not (p.answer_pos == pos).all():
+        raise ValueError("cache_predictions: every probe row must answer at the same positions")
+    eng = generate.Engine(model)
+    out, batch = np.zeros_like(p.tokens), min(batch, len(p.tokens))
+    for i in range(0, len(p.tokens), batch):
+        chunk = p.tokens[i:i + batch]
+        rows = np.concatenate([chunk, np.zeros((batch - len(chunk),) + chunk.shape[1:],
+                                               chunk.dtype)])  # one shape: one compile
+        cache = eng.init_cache(batch, p.tokens.shape[1])
+        logits, cache = eng.prefill(rows[:, :pos[0]], None, cache)
+        out[i:i + len(chunk), pos[0]] = np.asarray(logits.argmax(-1))[:len(chunk)]
+        for prev, at in zip(pos[:-1], pos[1:]):
+            for t in range(prev, at):  # teacher forcing: the true tokens up to the answer
+                logits, cache = eng.decode_step(rows[:, t], cache)
+            out[i:i + len(chunk), at] = np.asarray(logits.argmax(-1))[:len(chunk)]
+        generate.check_cache(cache)
+    return out
+
+
+def cache_accuracy(model, p: Probes) -> dict[int, float]:
+    """Recall accuracy per distance read through the decode cache (cache_predictions): what
+    a deployed model's cache formats keep, whether or not it trained with fake quant."""
+    return score(cache_predictions(model, p), p)

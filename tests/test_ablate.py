@@ -52,6 +52,7 @@ def _write(tmp_path, **sweep):
     ({"base": "configs/tiny/nope.yaml"}, r"base: 'configs/tiny/nope.yaml' does not exist"),
     ({"seeds": [0, 0]}, r"seeds: expected a list of distinct"),
     ({"vmap_seeds": "yes"}, r"vmap_seeds: expected true or false"),
+    ({"recall": {"through_cache": 1}}, r"recall.through_cache: expected true or false"),
     ({"lengths": [1, 2]}, r"lengths: expected a list of integers >= 2"),
     ({"rows": [{"name": "m", "overrides": [MQAR]}], "recall": {"distances": [7]}},
      r"recall.distances: 7 must be an integer in \[2, 46\] and a multiple of 2"),
@@ -269,7 +270,12 @@ def test_mqar_sweep_evaluates_past_its_training_length(tmp_path):
     sweep probes the same distances after an earlier block: held-out loss and recall at
     positions the model never trained on."""
     path = _write(tmp_path, overrides=[*TOY, MQAR], lengths=[2], decode_context=0,
-                  recall={"distances": [2, 46], "per_distance": 2})
+                  recall={"distances": [2, 46], "per_distance": 2, "through_cache": True})
     (r,) = ablate.run(path, out=tmp_path / "sweep", quiet=True)
     assert set(r["recall"]) == set(r["beyond"]["2"]["recall"]) == {"2", "46"}
     assert 0 < r["beyond"]["2"]["val_loss"] < 8
+    # through the decode cache too (native float32 cache: the forward's predictions, but
+    # float32 rounding may flip a near tie, so not asserted equal here)
+    assert set(r["recall_cache"]) == {"2", "46"}
+    with open(tmp_path / "sweep" / "summary.csv") as f:
+        assert "recall_cache_mean_mean" in next(csv.DictReader(f))

@@ -9,7 +9,7 @@ from dsattn import data, recall
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError
 from dsattn.model import Transformer
-from tests.helpers import preset
+from tests.helpers import preset, tiny_model
 
 SPEC = recall.RecallSpec(min_dist=10, max_dist=40, density=0.3, length=20_000)
 
@@ -201,3 +201,17 @@ def test_mqar_warm_steps_draw_only_near_facts_first():
     assert distances(c.eval_batches(1, 8, 64)[0]).max() > 8
     with pytest.raises(ConfigError, match="warm_dist"):
         recall.parse_source(MQAR + ",warm_steps=5,warm_dist=100")
+
+
+def test_recall_through_the_cache_equals_the_forward_in_float64():
+    """Prefill up to the answer and teacher-forced decode read the probes as the forward does
+    (decode == forward), so per-token predictions agree; both recall kinds and formats."""
+    for source, dists in ((MQAR, [2, 30, 62]), ("recall:min_dist=8,max_dist=40", [8, 40])):
+        spec = recall.parse_source(source)
+        p = recall.probes(dists, 3, 64, spec)
+        model = tiny_model("v4", "model.n_layers=3", "attention.layers=swa, csa, hca")
+        via_cache = recall.cache_predictions(model, p, batch=4)
+        forward = recall.model_predictions(model, p.tokens)
+        rows = np.arange(len(p.tokens))[:, None]
+        np.testing.assert_array_equal(via_cache[rows, p.answer_pos], forward[rows, p.answer_pos])
+        assert recall.cache_accuracy(model, p) == recall.accuracy(model, p)

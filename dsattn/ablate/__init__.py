@@ -11,6 +11,7 @@ rows and/or a grid) and seeds (configs/ablations/ holds the shipped ones):
     grid: {attention.csa_ratio: [2, 4], attention.hca_ratio: [8, 16]}   # rows by product
     seeds: [0, 1]
     recall: {distances: [8, 32, 96], per_distance: 32, seq_len: 128}
+    # recall.through_cache: true also scores recall through the decode cache (recall_cache)
     decode_context: 4096                         # 0: no decode timing
     lengths: [2, 4]                              # also evaluated at 2x, 4x train.seq_len
     vmap_seeds: true                             # a row's seeds train as one vmapped model
@@ -149,7 +150,8 @@ def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
     what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
             "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
             "decode_context": sweep.decode_context, "lengths": sweep.lengths,
-            "full_size": sweep.full_size and Path(sweep.full_size).name}
+            "full_size": sweep.full_size and Path(sweep.full_size).name,
+            **({"through_cache": True} if sweep.through_cache else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

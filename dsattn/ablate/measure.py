@@ -87,6 +87,9 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
         "recall_chance": recall.chance(cfg.data.source),
+        # through the decode cache, as deployed (its formats), when the sweep asks for it
+        **({"recall_cache": {str(d): a for d, a in recall.cache_accuracy(
+            model, probes[1]).items()}} if sweep.through_cache else {}),
         "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
         "kv": kv_figures(cfg),
         "kv_full": kv_figures(full) if full is not None else None,

@@ -24,6 +24,7 @@ def flat(result: dict) -> dict:
                                       "train_tokens_per_s", "decode_context", "decode_ms",
                                       "wall_s")}
     out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
+    out.update({f"recall_cache_d{d}": a for d, a in result.get("recall_cache", {}).items()})
     out.update(_beyond(result))
     out.update(result.get("kv") or {})
     out.update({f"full_{k}": v for k, v in (result.get("kv_full") or {}).items()})
@@ -40,6 +41,10 @@ def _metrics(result: dict) -> dict:
     out = {k: result.get(k) for k in ("val_loss", "train_tokens_per_s", "decode_ms")}
     out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
     out.update({f"recall_d{d}": a for d, a in acc.items()})
+    if "recall_cache" in result:
+        cached = result["recall_cache"]
+        out["recall_cache_mean"] = float(np.mean(list(cached.values())))
+        out.update({f"recall_cache_d{d}": a for d, a in cached.items()})
     out.update(_beyond(result))
     return out
 

@@ -20,7 +20,7 @@ from dsattn.errors import ConfigError
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
               "decode_context", "lengths", "vmap_seeds", "out")
-RECALL_KEYS = ("distances", "per_distance", "seq_len")
+RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
 @dataclasses.dataclass(frozen=True)
 class Row:
     name: str
@@ -42,6 +42,7 @@ class Sweep:
     out: Path
     lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
     vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
+    through_cache: bool = False  # also score recall through the decode cache (its formats)
 
     def config(self, row: Row, seed: int):
         return config_lib.load(self.base, [*self.overrides, *row.overrides,
@@ -140,6 +141,9 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
             isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in lengths):
         raise ConfigError(f"lengths: expected a list of integers >= 2 (multiples of "
                           f"train.seq_len), got {lengths!r}")
+    through_cache = rc.get("through_cache", False)
+    if not isinstance(through_cache, bool):
+        raise ConfigError(f"recall.through_cache: expected true or false, got {through_cache!r}")
     vmap_seeds = raw.get("vmap_seeds", True)
     if not isinstance(vmap_seeds, bool):
         raise ConfigError(f"vmap_seeds: expected true or false, got {vmap_seeds!r}")
@@ -149,6 +153,7 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
                   distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
                   probe_len=rc.get("seq_len", 0), decode_context=decode,
                   lengths=tuple(dict.fromkeys(lengths)), vmap_seeds=vmap_seeds,
+                  through_cache=through_cache,
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
 
