@@ -103,8 +103,8 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
     """The expected training time of the runs a sweep has left, before any of them starts:
     its first unfinished row's step (its seeds vmapped together, as the sweep trains them)
     compiled and timed for `timed_steps` steps in a scratch directory, then extrapolated to
-    every unit left (a row's seeds together, or a seed alone) as compile + steps x step
-    time. Every row is costed as the first; validation, checkpoints and measurements are
+    every unit left (a row's seeds together, or a seed alone) as compile + steps left x
+    step time (a run's steps after its last checkpoint). Every row is costed as the first; validation, checkpoints and measurements are
     not in it. {"units", "compile_s", "step_s", "seconds"}; seconds 0 when nothing is left."""
     import tempfile
 
@@ -112,8 +112,18 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
 
     from dsattn.train import SeedGroup, Trainer
 
-    left = {row: [s for s in sweep.seeds if not (run_dir(sweep, row, s) / "result.json")
-                  .exists()] for row in sweep.rows}
+    from dsattn import checkpoint
+
+    def steps_left(row, seed) -> int:  # 0: finished, or trained and only measurements left
+        where = run_dir(sweep, row, seed)
+        if (where / "result.json").exists():
+            return 0
+        saved = checkpoint.manager(where, 1).latest_step() if (where / "checkpoints").exists() \
+            else None
+        return sweep.config(row, seed).train.steps - (saved or 0)
+
+    todo = {row: {s: steps_left(row, s) for s in sweep.seeds} for row in sweep.rows}
+    left = {row: [s for s, n in by_seed.items() if n > 0] for row, by_seed in todo.items()}
     left = {row: seeds for row, seeds in left.items() if seeds}
     if not left:
         return {"units": 0, "compile_s": 0.0, "step_s": 0.0, "seconds": 0.0}
@@ -130,10 +140,11 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
         for step in range(1, timed_steps + 1):
             jax.block_until_ready(unit.train_step(unit.batch_at(step), step))
         step_s = (time.perf_counter() - start) / timed_steps
-    units = {r: 1 if together else len(s) for r, s in left.items()}
-    seconds = sum(n * (compile_s + sweep.config(r, sweep.seeds[0]).train.steps * step_s)
-                  for r, n in units.items())
-    return {"units": sum(units.values()), "compile_s": compile_s, "step_s": step_s,
+    # a row's seeds together: its longest; alone: each its own
+    costs = [[todo[r][s] for s in seeds] for r, seeds in left.items()]
+    costs = [[max(c)] if together else c for c in costs]
+    seconds = sum(compile_s + n * step_s for c in costs for n in c)
+    return {"units": sum(map(len, costs)), "compile_s": compile_s, "step_s": step_s,
             "seconds": seconds}
 
 
