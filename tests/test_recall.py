@@ -208,8 +208,8 @@ def test_recall_through_the_cache_equals_the_forward_in_float64():
     (decode == forward), so per-token predictions agree; both recall kinds and formats."""
     for source, dists in ((MQAR, [2, 30, 62]), ("recall:min_dist=8,max_dist=40", [8, 40])):
         spec = recall.parse_source(source)
-        p = recall.probes(dists, 3, 64, spec)
-        model = tiny_model("v4", "model.n_layers=3", "attention.layers=swa, csa, hca")
+        p = recall.probes(dists, 2, 64, spec)
+        model = tiny_model("v4", "model.n_layers=2", "attention.layers=swa, csa")
         via_cache = recall.cache_predictions(model, p, batch=4)
         forward = recall.model_predictions(model, p.tokens)
         rows = np.arange(len(p.tokens))[:, None]
