@@ -307,7 +307,8 @@ class Engine:
         of the `stop` token sequences (included). The token loop (sample, record, stop,
         decode) runs on the device as one compiled program (`sample_loop_fn`), with no host
         round trip per token; with `on_token(row, token)`, called as tokens are produced, it
-        runs on the host instead, one sync per token, and gives the same tokens. Returns one list of new tokens per prompt. Row i's step-s draw uses
+        runs on the host instead, one sync per token, and gives the same tokens. Returns one
+        list of new tokens per prompt. Row i's step-s draw uses
         fold_in(fold_in(PRNGKey(seed), s), i): it does not depend on the other rows.
         Parameters are checked before any work.
         """

@@ -480,11 +480,10 @@ class SeedGroup(Trainer):
         if not trainers:
             raise ConfigError("a SeedGroup needs at least one Trainer")
         first = trainers[0]
-        same = lambda tr: {**tr.cfg.to_dict(), "train": {
-            **tr.cfg.to_dict()["train"], "seed": None}} == {
-            **first.cfg.to_dict(), "train": {**first.cfg.to_dict()["train"], "seed": None}}
+        unseeded = lambda c: dataclasses.replace(  # noqa: E731
+            c, train=dataclasses.replace(c.train, seed=0))
         for tr in trainers:
-            if not same(tr):
+            if unseeded(tr.cfg) != unseeded(first.cfg):
                 raise ConfigError(f"{tr.run_dir}: a SeedGroup's runs differ only in train.seed")
             if tr.step != first.step:
                 raise ConfigError(f"{tr.run_dir} is at step {tr.step}, {first.run_dir} at "

@@ -9,8 +9,9 @@ KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped
 Before training it prints the expected training time of what is left, from a few timed
 steps of the first unfinished row; --estimate prints only that (e.g. to size an override
 set for an accelerator before committing to it). Rerunning resumes: finished runs are
-skipped, an interrupted one resumes from its checkpoint. The sweep directory (default runs/ablations/<name>) holds runs/<row>/seed<k>/,
-results.csv, results.json, pareto.png, recall.png and curves.png.
+skipped, an interrupted one resumes from its checkpoint. The sweep directory (default
+runs/ablations/<name>) holds runs/<row>/seed<k>/, results.csv, results.json, pareto.png,
+recall.png and curves.png.
 """
 
 import sys

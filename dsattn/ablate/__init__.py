@@ -22,9 +22,9 @@ overrides that fail config validation raise ConfigError naming the row and key. 
 sees the same batches (batches are a function of (train.seed, step) and recall streams have
 their own seed). A row's seeds train together, as one model vmapped over the seed
 (dsattn.train.SeedGroup: one compiled step, each seed's parameters, batches, metrics and
-checkpoints its own); rows whose shapes differ train one after another. A run with ``result.json`` is finished and skipped; any other resumes from
-its checkpoint; a finished run whose config or measurement settings changed since is refused
-(another --out). results.json / results.csv (one line per run) and summary.csv (one line per
+checkpoints its own); rows whose shapes differ train one after another. A run with
+``result.json`` is finished and skipped; any other resumes from its checkpoint; a finished
+run whose config or measurement settings changed since is refused (another --out). results.json / results.csv (one line per run) and summary.csv (one line per
 row: mean, standard deviation and 95% interval over its seeds of every metric,
 dsattn.seedstats) are rewritten after every run, plots at the end. Every run is also evaluated
 beyond its training length (`lengths`, multiples of train.seq_len): held-out loss, and recall
@@ -104,8 +104,9 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
     its first unfinished row's step (its seeds vmapped together, as the sweep trains them)
     compiled and timed for `timed_steps` steps in a scratch directory, then extrapolated to
     every unit left (a row's seeds together, or a seed alone) as compile + steps left x
-    step time (a run's steps after its last checkpoint). Every row is costed as the first; validation, checkpoints and measurements are
-    not in it. {"units", "compile_s", "step_s", "seconds"}; seconds 0 when nothing is left."""
+    step time (a run's steps after its last checkpoint). Every row is costed as the first;
+    validation, checkpoints and measurements are not in it. {"units", "compile_s", "step_s",
+    "seconds"}; seconds 0 when nothing is left."""
     import tempfile
 
     import jax

@@ -53,8 +53,8 @@ def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
     """The decode state after n tokens per row, with random values: ``pos`` = n, ring slots
     hold positions n-W..n-1, each paged global cache holds n // ratio complete entries
     (appended through ``paged.append``, so page tables and free stacks are real), contiguous
-    caches are filled: each cache container's own ``filled`` (cache.protocol). Streaming compressor state stays empty (n is expected to be a
-    multiple of every ratio)."""
+    caches are filled: each cache container's own ``filled`` (cache.protocol). Streaming
+    compressor state stays empty (n is expected to be a multiple of every ratio)."""
     key = jax.random.PRNGKey(seed)
     b = cache.pos.shape[0]
     if n > cache.max_len:

@@ -12,7 +12,6 @@ before any layer sees it (see generate.check_cache).
 import jax
 import jax.numpy as jnp
 from flax import struct
-
 from jax.sharding import PartitionSpec as P
 
 from dsattn.cache import formats

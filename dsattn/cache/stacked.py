@@ -5,8 +5,8 @@ A scan body works on one copy. Slicing a copy's stored vectors out of the stacke
 writing them back would copy the whole cache of a layer every step, which is what a decode
 step must never do: it reads only what it selects. So a copy's *view* slices the small leaves
 (positions, page tables, lengths, compressor accumulators) but leaves the stored vectors
-(`storage`, cache.protocol: a paged cache's pages, a ring's or contiguous cache's vectors) stacked, with the
-copy's index in the cache (`copy`); the cache functions read and write them at
+(`storage`, cache.protocol: a paged cache's pages, a ring's or contiguous cache's vectors)
+stacked, with the copy's index in the cache (`copy`); the cache functions read and write them at
 `[copy, ...]`, so XLA updates the stacked arrays in place. `merge` puts a copy's small
 leaves back and takes its (already updated) stored vectors as they are.
 """
