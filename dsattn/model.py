@@ -176,7 +176,7 @@ class ScannedBlocks(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> tuple:
         """One cache per block of the group, each stacked `copies` times."""
         one = tuple(block.init_cache(batch, max_len) for block in self.layers)
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.copies,) + a.shape).copy(), one)
+        return stacked.stack(one, self.copies)
 
 
 class Transformer(nnx.Module):
@@ -287,8 +287,7 @@ def per_layer(units, items) -> list:
             out.append(item)
             continue
         for c in range(unit.copies):
-            out.extend(jax.tree.map(lambda a, c=c: _copy(a, c), item[q])
-                       for q in range(unit.period))
+            out.extend(stacked.copy_at(item[q], c) for q in range(unit.period))
     return out
 
 
@@ -298,8 +297,8 @@ def per_unit(units, layers) -> list:
     out = []
     for unit in units:
         group = [layers[i] for i in unit.layers]
-        out.append(tuple(jax.tree.map(lambda *a: jnp.stack(a), *group[q::unit.period])
-                         for q in range(unit.period)) if unit.scanned else group[0])
+        out.append(tuple(stacked.join(group[q::unit.period]) for q in range(unit.period))
+                   if unit.scanned else group[0])
     return out
 
 
@@ -311,13 +310,6 @@ def layer_caches(cfg: Config, state: DecodeState) -> list:
 def with_layer_caches(cfg: Config, state: DecodeState, caches: list) -> DecodeState:
     """`state` holding `caches` (one per layer, as `layer_caches` gives them)."""
     return state.replace(layers=tuple(per_unit(plan.units(cfg), caches)))
-
-
-def _copy(a, c: int):
-    """Copy c of a stacked array (or of its abstract shape, for eval_shape'd states)."""
-    if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-    return a[c]
 
 
 def _last_positions(x, positions, valid, r: int, keep_from=None):

@@ -49,9 +49,15 @@ def test_scanned_stack_equals_unrolled_and_decodes_its_forward(name):
     check_decode_matches_forward(scanned, lengths=[5, 27], n_decode=4, max_len=40)
 
 
-IN_PLACE = {  # a scanned group of 4 copies; paged + ring + compressor state, and contiguous
-    "v4": ("v4", "model.n_layers=8", "attention.layers=(csa, hca)*4", "attention.ratios=(4, 8)*4"),
-    "mla": ("mla", "model.n_layers=4"),
+# A scanned group of 4 copies: paged + ring + compressor state, and contiguous caches; the
+# most the step's temporaries may exceed the unrolled step's, in layers' caches: V4's HCA
+# layer gathers every entry it attends (~0.4 of a layer's cache here) inside the scan's body,
+# where XLA does not share the buffer with the unrolled layers' gathers.
+IN_PLACE = {
+    "v4": (0.5, "v4", "model.n_layers=8", "attention.layers=(csa, hca)*4",
+           "attention.ratios=(4, 8)*4"),
+    "mla": (0.1, "mla", "model.n_layers=4"),
+    "mha": (0.1, "mha", "model.n_layers=4"),
 }
 
 
@@ -65,13 +71,14 @@ def _decode_temp_bytes(cfg, max_len: int) -> tuple[int, float]:
 @pytest.mark.parametrize("name", sorted(IN_PLACE))
 def test_scanned_decode_updates_the_stacked_caches_in_place(name):
     """A scanned decode step must not copy each copy's cache out of the stacked arrays and
-    back, which holds every copy's cache whatever a layer selects (4-8 layers' worth here):
-    the compiled step's temporaries exceed the unrolled step's by less than one layer's
-    cache and a half (MLA reads its whole cache, and XLA:CPU slices it out first)."""
-    base, *overrides = IN_PLACE[name]
+    back, which holds every copy's cache whatever a layer selects (4-8 layers' worth here),
+    nor copy out the part a layer reads: MHA and MLA read their whole cache, which XLA:CPU
+    sliced out of the stacked array every step (a whole layer's cache). The compiled step's
+    temporaries exceed the unrolled step's by a fraction of one layer's cache."""
+    bound, base, *overrides = IN_PLACE[name]
     scanned, unrolled = (preset(base, f"model.scan_layers={s}", "model.dtype=float32",
                                 *overrides) for s in ("true", "false"))
     assert any(u.scanned for u in plan.units(scanned))
     temp, layer = _decode_temp_bytes(scanned, 65536)
     base_temp, _ = _decode_temp_bytes(unrolled, 65536)
-    assert temp - base_temp < 1.5 * layer
+    assert temp - base_temp < bound * layer

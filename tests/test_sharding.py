@@ -120,8 +120,8 @@ def test_paged_cache_rows_and_pages_split_together(report):
 
 def test_cache_layout_rules():
     """Every cache leaf splits along its row axis over the batch's mesh axes (a scanned
-    group's stacked copies stay whole); MHA's key/value heads also over tensor; V4's shared
-    entries stay whole on tensor."""
+    group's copies stay whole: a leading axis, or one array per copy); MHA's key/value heads
+    also over tensor; V4's shared entries stay whole on tensor."""
     mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
     v4 = ("model.n_layers=6", "attention.layers=(csa, hca)*3", "attention.ratios=(4, 8)*3")
     for name, heads, overrides in (("mha", True, ()), ("v4", False, v4)):
@@ -131,11 +131,15 @@ def test_cache_layout_rules():
         specs = sharding.cache_specs(model.units, state, mesh)
         assert specs.pos == P(("data", "fsdp"))
         assert any(u.scanned for u in model.units)
-        for unit, layer in zip(model.units, specs.layers):
-            lead = (None,) if unit.scanned else ()
-            rows = P(*lead, ("data", "fsdp"), "tensor") if heads else P(*lead, ("data", "fsdp"))
-            for spec in jax.tree.leaves(layer, is_leaf=lambda s: isinstance(s, P)):
-                assert spec == rows
+        for unit, layer, spec_layer in zip(model.units, state.layers, specs.layers):
+            leaves = jax.tree.leaves(layer)
+            leaf_specs = jax.tree.leaves(spec_layer, is_leaf=lambda s: isinstance(s, P))
+            assert len(leaves) == len(leaf_specs)
+            for leaf, spec in zip(leaves, leaf_specs):
+                lead = (None,) if unit.scanned and leaf.shape[0] == unit.copies else ()
+                rows = (P(*lead, ("data", "fsdp"), "tensor") if heads
+                        else P(*lead, ("data", "fsdp")))
+                assert spec == rows, (name, leaf.shape)
     # 2 rows on (2, 2, 2): data divides them, fsdp is left out
     state = jax.eval_shape(lambda: model.init_cache(2, 32))
     assert sharding.cache_specs(model.units, state, mesh).pos == P("data")

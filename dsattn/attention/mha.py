@@ -83,12 +83,14 @@ class MHA(nnx.Module):
         q, k, v = self._qkv(x, positions)
         cache = {"k": contiguous.write(cache["k"], k, positions, valid),
                  "v": contiguous.write(cache["v"], v, positions, valid)}
-        keys = contiguous.read(cache["k"], self.dtype)
-        vals = contiguous.read(cache["v"], self.dtype)
-        k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
 
-        def one(start, blk):  # a prefill chunk by query blocks; decode is one block
-            q_blk, pos = blk
-            return self._attend(q_blk, keys, vals, causal_mask(pos, k_pos)), ()
+        def attend(keys, vals):
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
 
-        return blocks.map_queries(one, self.query_block, (q, positions))[0], cache, ctx
+            def one(start, blk):  # a prefill chunk by query blocks; decode is one block
+                q_blk, pos = blk
+                return self._attend(q_blk, keys, vals, causal_mask(pos, k_pos)), ()
+
+            return blocks.map_queries(one, self.query_block, (q, positions))[0]
+
+        return contiguous.attend((cache["k"], cache["v"]), attend, self.dtype), cache, ctx

@@ -144,13 +144,15 @@ class MLA(nnx.Module):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         stored = contiguous.write(cache["latent"], self.latents(x, positions), positions,
                                   valid)
-        lat = contiguous.read(stored, self.dtype)
-        k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
 
-        def one(start, blk):  # a prefill chunk by query blocks; decode is one block
-            qn, qp, pos = blk
-            p = masked_softmax(self.absorbed_scores(qn, qp, lat), causal_mask(pos, k_pos))
-            return self.absorbed_output(p, lat), ()
+        def attend(lat):
+            k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
 
-        out = blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
-        return out, {"latent": stored}, ctx
+            def one(start, blk):  # a prefill chunk by query blocks; decode is one block
+                qn, qp, pos = blk
+                p = masked_softmax(self.absorbed_scores(qn, qp, lat), causal_mask(pos, k_pos))
+                return self.absorbed_output(p, lat), ()
+
+            return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
+
+        return contiguous.attend((stored,), attend, self.dtype), {"latent": stored}, ctx

@@ -7,6 +7,8 @@ A container is a flax struct dataclass deriving from `Container`, with
   scanned group's per-copy view they stay stacked and are read and written at `at`;
 - `copy`: that copy's index (None: not a view), hence `at`, the index prefix of the stored
   vectors;
+- how a scanned group keeps its copies (`stack`, `copy_at`, `stacked`): by default every leaf
+  gains a leading copies axis;
 - its bookkeeping: every other pytree field (positions, page tables, lengths...), sliced
   per copy like any array;
 
@@ -17,6 +19,7 @@ independent and whose stored vectors are one per row).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +40,19 @@ class Container:
 
     def with_vectors(self, value):
         return self.replace(**{self.storage: value})
+
+    def stack(self, copies: int):
+        """This (empty) cache for each of `copies` copies of a scanned layer group."""
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (copies,) + a.shape).copy(), self)
+
+    def copy_at(self, c: int):
+        """Copy `c` of a scanned group's cache (as `stack` made it), as an unstacked cache."""
+        return jax.tree.map(lambda a: index(a, c), self)
+
+    @classmethod
+    def stacked(cls, caches: list):
+        """The inverse of `copy_at`: one scanned group's cache from its copies' caches."""
+        return jax.tree.map(lambda *a: jnp.stack(a), *caches)
 
     def stored_bytes(self) -> int:
         """Bytes of the stored vectors, without the bookkeeping."""
@@ -65,3 +81,10 @@ class Container:
 
 def is_container(node) -> bool:
     return isinstance(node, Container)
+
+
+def index(a, c: int):
+    """a[c] along the leading axis, for arrays and abstract shapes (eval_shape'd states)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+    return a[c]

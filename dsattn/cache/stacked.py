@@ -12,8 +12,9 @@ leaves back and takes its (already updated) stored vectors as they are.
 """
 
 import jax
+import jax.numpy as jnp
 
-from dsattn.cache.protocol import is_container
+from dsattn.cache.protocol import index, is_container
 
 
 def _without_storage(c):
@@ -41,3 +42,23 @@ def merge(stacked, new, i):
         return small.with_vectors(node.vectors)
 
     return jax.tree.map(one, stacked, new, is_leaf=is_container)
+
+
+def stack(tree, copies: int):
+    """A tree of (empty) caches for `copies` copies of a scanned group (each container's
+    `stack`; other leaves gain a leading copies axis)."""
+    return jax.tree.map(lambda n: n.stack(copies) if is_container(n) else
+                        jnp.broadcast_to(n, (copies,) + n.shape).copy(), tree,
+                        is_leaf=is_container)
+
+
+def copy_at(tree, c: int):
+    """Copy `c` (a Python int) of a tree of stacked caches, unstacked."""
+    return jax.tree.map(lambda n: n.copy_at(c) if is_container(n) else index(n, c), tree,
+                        is_leaf=is_container)
+
+
+def join(trees: list):
+    """The inverse of `copy_at`: the stacked tree from every copy's tree, in order."""
+    return jax.tree.map(lambda *ns: ns[0].stacked(list(ns)) if is_container(ns[0]) else
+                        jnp.stack(ns), *trees, is_leaf=is_container)
