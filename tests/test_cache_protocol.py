@@ -1,0 +1,101 @@
+"""The cache protocol (dsattn/cache/protocol.py) is all the code around caches needs: a new
+container, declared here and nowhere else, goes through scanned and unrolled stacks, cached
+prefill and decode, a mesh's cache layout, the benchmarks' synthetic context and the byte
+count without any change to the library.
+
+The container holds each row's newest value vector (one slot); the attention that uses it
+mixes each token's value with the previous token's, so decoding must read the cache to
+reproduce the forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
+
+from dsattn import generate, model as model_lib, plan, sharding
+from dsattn.bench.measures import synthetic_context
+from dsattn.cache.protocol import Container, is_container
+from dsattn.model import Transformer, layer_caches
+from dsattn.nn.layers import dense
+from dsattn.plan import Family
+from tests.helpers import check_decode_matches_forward, check_two_chunk_prefill, preset
+
+
+@struct.dataclass
+class Previous(Container):
+    """Each row's newest value vector, [B, D]."""
+
+    value: jax.Array
+    copy: jax.Array | None = struct.field(default=None, kw_only=True)
+
+    storage = "value"
+
+
+class PreviousToken(nnx.Module):
+    """out_t = wo((v_t + v_{t-1}) / 2), v_{-1} = 0: a two-token window of equal weights."""
+
+    def __init__(self, cfg, spec, rngs):
+        d, dtype = cfg.model.d_model, jnp.dtype(cfg.model.dtype)
+        self.d, self.dtype = d, dtype
+        self.wv = dense(d, d, rngs, dtype, 0.5)
+        self.wo = dense(d, d, rngs, dtype, 0.5)
+
+    def _mix(self, v, prev, positions):
+        return self.wo((v + jnp.where((positions > 0)[..., None], prev, 0.0)) / 2)
+
+    def __call__(self, x, positions, step=None, ctx=None):
+        v = self.wv(x)
+        return self._mix(v, jnp.pad(v, ((0, 0), (1, 0), (0, 0)))[:, :-1], positions), {}, ctx
+
+    def init_cache(self, batch: int, max_len: int):
+        return {"prev": Previous(jnp.zeros((batch, self.d), self.dtype))}
+
+    def extend(self, x, positions, valid, cache, ctx=None):
+        c, v = cache["prev"], self.wv(x)
+        old = c.value[c.at]
+        rows, n = jnp.arange(x.shape[0]), jnp.sum(valid, -1)  # valid: a prefix of each row
+        last = jnp.where((n > 0)[:, None], v[rows, jnp.maximum(n - 1, 0)], old)
+        out = self._mix(v, jnp.concatenate([old[:, None], v[:, :-1]], 1), positions)
+        return out, {"prev": c.replace(value=c.value.at[c.at + (rows,)].set(last))}, ctx
+
+
+@pytest.fixture
+def previous_token(monkeypatch):
+    """Every MHA-family layer built while the test runs uses PreviousToken."""
+    monkeypatch.setitem(model_lib.ATTENTION, Family.MHA, PreviousToken)
+
+
+def _model(scan: bool):
+    cfg = preset("mha", "model.dtype=float64", "model.n_layers=4",
+                 f"model.scan_layers={str(scan).lower()}")
+    assert any(u.scanned for u in plan.units(cfg)) == scan
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_new_container_decodes_its_forward(previous_token, scan):
+    model = _model(scan)
+    cache = check_decode_matches_forward(model, lengths=[1, 6, 3], n_decode=3, max_len=16)
+    check_two_chunk_prefill(model, [2, 5], 3, max_len=16)
+    generate.check_cache(cache)
+    # each layer stores one D-vector per row: B x D x 8 bytes (float64)
+    for layer in layer_caches(model.cfg, cache):
+        (c,) = jax.tree.leaves(layer, is_leaf=is_container)
+        assert c.stored_bytes() == 3 * model.cfg.model.d_model * 8
+
+
+def test_a_new_container_is_laid_out_and_filled(previous_token):
+    model = _model(True)
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    state = jax.eval_shape(lambda: model.init_cache(8, 16))
+    specs = sharding.cache_specs(model.units, state, mesh)
+    for unit, layer in zip(model.units, specs.layers):
+        lead = (None,) if unit.scanned else ()
+        for spec in jax.tree.leaves(layer, is_leaf=lambda s: isinstance(s, P)):
+            assert spec == P(*lead, ("data", "fsdp"))
+    cache = synthetic_context(model, model.init_cache(2, 16), 5)
+    np.testing.assert_array_equal(np.asarray(cache.pos), [5, 5])
+    logits, _ = generate.decode_step(model, jnp.zeros((2,), jnp.int32), cache)
+    assert np.isfinite(np.asarray(logits)).all()
