@@ -9,6 +9,10 @@ validation loss training logs. Lengths beyond the training length measure extrap
 
 Losses are in nats per token and bits per token (nats / ln 2); on byte-level corpora (every
 source but .u16/.bin token files) a token is a byte, so bits per token is bits per byte.
+
+`outputs` is the one evaluation forward: the training loop's validation (dsattn.train),
+`mean_loss` here and recall's predictions (dsattn.recall) all read it, `forward` compiles it
+once per network config.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
 
 from dsattn import data, progress
 from dsattn.errors import InputError
-from dsattn.train import token_nll
 
 
 def is_byte_level(source: str) -> bool:
@@ -30,12 +35,43 @@ def is_byte_level(source: str) -> bool:
     return Path(source).suffix.lower() not in data.TOKEN_SUFFIXES
 
 
-def _sum_nll(graphdef, state, inputs, targets, weights=None):
-    nll = token_nll(nnx.merge(graphdef, nnx.State(state))(inputs), targets)
-    return nll.sum() if weights is None else (nll * weights).sum()
+def token_nll(logits, targets):
+    """Next-token cross-entropy per position (nats), computed in at least float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), targets)
 
 
-_sum_nll_jit = jax.jit(_sum_nll, static_argnums=0)
+def weighted_mean(nll, weights=None):
+    """The mean of nll [B, T], or its weighted mean (a corpus with loss weights)."""
+    if weights is None:
+        return nll.mean()
+    w = weights.astype(nll.dtype)
+    return (nll * w).sum() / jnp.maximum(w.sum(), 1e-6)
+
+
+def outputs(model, inputs, targets=None) -> dict:
+    """What held-out measures read from one teacher-forced forward of inputs [B, T]: each
+    position's prediction ("argmax") and, given targets, its cross-entropy ("nll", nats)."""
+    logits = model(inputs)
+    out = {"argmax": jnp.argmax(logits, -1)}
+    if targets is not None:
+        out["nll"] = token_nll(logits, targets)
+    return out
+
+
+def forward(model):
+    """`outputs` jitted for models of `model`'s network config: f(state, inputs, targets=None)
+    with state = nnx.state(model). Models of one config (a sweep's seeds) share the compiled
+    program."""
+    graphdef = nnx.graphdef(model)
+    c = model.cfg  # the sections that define the network (train.seed etc. do not)
+    key = (c.model, c.attention, c.indexer, c.cache)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = jax.jit(lambda s, x, y=None: outputs(nnx.merge(graphdef, s), x, y))
+    return _FORWARDS[key]
+
+
+_FORWARDS: dict = {}
 
 
 def mean_loss(model, batches, done=None) -> float:
@@ -43,14 +79,13 @@ def mean_loss(model, batches, done=None) -> float:
     ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape. Batches with
     "weights" (a corpus with loss weights, e.g. recall format=mqar) give the weighted mean,
     as the training loss does. `done()`, if given, is called after each batch."""
-    graphdef, state = nnx.split(model)
-    state = nnx.to_pure_dict(state)
+    fwd, state = forward(model), nnx.state(model)
     total, count = 0.0, 0.0
     for b in batches:
+        nll = np.asarray(fwd(state, jnp.asarray(b["inputs"]), jnp.asarray(b["targets"]))["nll"],
+                         np.float64)
         w = b.get("weights")
-        total += float(_sum_nll_jit(graphdef, state, jnp.asarray(b["inputs"]),
-                                    jnp.asarray(b["targets"]),
-                                    None if w is None else jnp.asarray(w, jnp.float32)))
+        total += float(nll.sum() if w is None else (nll * w).sum())
         count += b["targets"].size if w is None else float(w.sum())
         if done is not None:
             done()
@@ -93,4 +128,5 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
     return rows
 
 
-__all__ = ["evaluate", "check_lengths", "mean_loss", "is_byte_level"]
+__all__ = ["evaluate", "check_lengths", "mean_loss", "is_byte_level", "outputs", "forward",
+           "token_nll", "weighted_mean"]

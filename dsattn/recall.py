@@ -436,35 +436,17 @@ def model_predictions(model, tokens: np.ndarray, batch: int = 32) -> np.ndarray:
     import jax.numpy as jnp
     from flax import nnx
 
-    graphdef, state = nnx.split(model)
-    c = model.cfg  # the sections that define the network (train.seed etc. do not)
-    fwd = _argmax_forward((c.model, c.attention, c.indexer, c.cache), graphdef)
+    from dsattn.evaluate import forward
+
+    fwd, state = forward(model), nnx.state(model)
     out, batch = np.zeros_like(tokens), min(batch, len(tokens))
     for i in range(0, len(tokens), batch):
         chunk = tokens[i:i + batch]
         pad = batch - len(chunk)  # one shape: one compile
         x = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)])
-        out[i:i + len(chunk), 1:] = np.asarray(fwd(state, jnp.asarray(x)))[:len(chunk), :-1]
+        out[i:i + len(chunk), 1:] = np.asarray(fwd(state, jnp.asarray(x))["argmax"])[
+            :len(chunk), :-1]
     return out
-
-
-def _argmax_forward(key, graphdef):
-    """One jitted forward per network config: a sweep's seeds share the compile (graphdefs
-    of equal configs have the same structure, so the first one serves them all)."""
-    if key not in _FORWARDS:
-        _FORWARDS[key] = _argmax_jit(graphdef)
-    return _FORWARDS[key]
-
-
-_FORWARDS: dict = {}
-
-
-def _argmax_jit(graphdef):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    return jax.jit(lambda s, x: jnp.argmax(nnx.merge(graphdef, s)(x), -1))
 
 
 def accuracy(model, p: Probes) -> dict[int, float]:

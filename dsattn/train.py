@@ -37,6 +37,7 @@ from flax import nnx
 from dsattn import checkpoint, data, progress, runlog, sharding, tblog
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
+from dsattn.evaluate import outputs, token_nll, weighted_mean
 from dsattn.model import Transformer
 
 
@@ -64,23 +65,12 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                     mask=decay_mask))
 
 
-def token_nll(logits, targets):
-    """Next-token cross-entropy per position (nats), computed in at least float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), targets)
-
-
 def loss_fn(model: Transformer, batch: dict, step=None):
     """Mean next-token cross-entropy plus any auxiliary losses the layers report. With
     batch["weights"] (a corpus with loss weights, e.g. recall format=mqar: answers only) the
     cross-entropy is the weighted mean over targets."""
     logits, auxes = model.forward(batch["inputs"], step)
-    nll = token_nll(logits, batch["targets"])
-    if "weights" in batch:
-        w = batch["weights"].astype(nll.dtype)
-        ce = (nll * w).sum() / jnp.maximum(w.sum(), 1e-6)
-    else:
-        ce = nll.mean()
+    ce = weighted_mean(token_nll(logits, batch["targets"]), batch.get("weights"))
     metrics = {"ce": ce}
     total = ce
     for name in sorted({k for aux in auxes for k in aux}):
@@ -254,8 +244,9 @@ class Trainer:
         metrics["lr"] = self.schedule(step)  # the rate this update used (count == step)
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    def _eval_impl(self, params, batch):
-        return loss_fn(self._model(params), batch)[1]
+    def _eval_impl(self, params, batch):  # the held-out cross-entropy (dsattn.evaluate)
+        nll = outputs(self._model(params), batch["inputs"], batch["targets"])["nll"]
+        return {"ce": weighted_mean(nll, batch.get("weights"))}
 
     # -- host loop -------------------------------------------------------------------------
     def model(self) -> Transformer:
