@@ -164,8 +164,10 @@ class ScannedBlocks(nnx.Module):
                 ctx = ctx.replace(global_cache=None)
             return (x, ctx, stacked.merge(caches, tuple(new), i)), None
 
+        caches = stacked.begin_scan(caches, positions, valid)
         (x, ctx, caches), _ = jax.lax.scan(one_copy, (x, ctx, caches),
                                            (params, jnp.arange(self.copies, dtype=jnp.int32)))
+        caches = stacked.end_scan(caches)
         if self.publisher is not None:
             q, spec = self.publisher
             last = jnp.int32(self.copies - 1)  # what the layers after the group borrow

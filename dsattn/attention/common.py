@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def softmax_dtype(dtype):
@@ -24,6 +25,12 @@ def masked_softmax(scores, mask):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(scores - jax.lax.stop_gradient(m))
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(e.dtype).tiny)
+
+
+def split_keys(p, sizes):
+    """p [..., sum(sizes)] cut along its last (key) axis into parts of `sizes`."""
+    bounds = np.cumsum(sizes)[:-1].tolist()
+    return jnp.split(p, bounds, axis=-1)
 
 
 # Products against keys shared by every query and head ([B, S, c]: a cache as stored). Written

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks
-from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
+from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
 from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope
@@ -37,8 +37,9 @@ class MHA(nnx.Module):
         v = self.wv(x).reshape(b, t, self.n_kv, self.head_dim)
         return apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta), v
 
-    def _attend(self, q, k, v, mask):
-        """q [B,Tq,H,d], k/v head-major [B,G,Tk,d], mask [B,Tq,Tk] -> [B,Tq,D].
+    def _attend(self, q, segments):
+        """q [B,Tq,H,d] over key segments [(k, v head-major [B,G,Tk,d], mask [B,Tq,Tk])],
+        one softmax over all of them -> [B,Tq,D].
 
         Written as dot_generals batched over (B, G) with k/v in their stored [Tk, d] layout
         (q·Kᵀ contracts both minor dims, p·V is a plain matmul), which XLA runs in place."""
@@ -48,11 +49,15 @@ class MHA(nnx.Module):
         q = q.reshape(b, self.n_kv, g * tq, self.head_dim)  # [B, G, g·Tq, d]
         sd = softmax_dtype(q.dtype)
         batch = ((0, 1), (0, 1))
-        s = jax.lax.dot_general(q, k, (((3,), (3,)), batch), preferred_element_type=sd)
-        s = s * (self.head_dim ** -0.5)
-        p = masked_softmax(s.reshape(b, self.n_heads, tq, -1), mask)
-        p = p.reshape(b, self.n_kv, g * tq, -1).astype(v.dtype)
-        o = jax.lax.dot_general(p, v, (((3,), (2,)), batch))  # [B, G, g·Tq, d]
+        s = jnp.concatenate([jax.lax.dot_general(q, k, (((3,), (3,)), batch),
+                                                 preferred_element_type=sd)
+                             for k, _, _ in segments], -1) * (self.head_dim ** -0.5)
+        p = masked_softmax(s.reshape(b, self.n_heads, tq, -1),
+                           jnp.concatenate([m for _, _, m in segments], -1))
+        p = p.reshape(b, self.n_kv, g * tq, -1)
+        o = sum(jax.lax.dot_general(ps.astype(v.dtype), v, (((3,), (2,)), batch))
+                for ps, (_, v, _) in zip(split_keys(p, [k.shape[2] for k, _, _ in segments]),
+                                         segments))  # [B, G, g·Tq, d]
         o = jnp.transpose(o.reshape(b, self.n_kv, g, tq, self.head_dim), (0, 3, 1, 2, 4))
         return self.wo(o.reshape(b, tq, self.n_heads * self.head_dim))
 
@@ -65,7 +70,7 @@ class MHA(nnx.Module):
 
         def one(start, blk):
             q_blk, pos = blk
-            return self._attend(q_blk, k, v, causal_mask(pos, positions)), ()
+            return self._attend(q_blk, [(k, v, causal_mask(pos, positions))]), ()
 
         return blocks.map_queries(one, self.query_block, (q, positions))[0], {}, ctx
 
@@ -81,16 +86,15 @@ class MHA(nnx.Module):
     def extend(self, x, positions, valid, cache, ctx=None):
         """Append x's tokens at `positions` (where `valid`) and attend over the cache."""
         q, k, v = self._qkv(x, positions)
-        cache = {"k": contiguous.write(cache["k"], k, positions, valid),
-                 "v": contiguous.write(cache["v"], v, positions, valid)}
 
-        def attend(keys, vals):
-            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), keys.shape[:1] + keys.shape[2:3])
-
+        def attend(segments):
             def one(start, blk):  # a prefill chunk by query blocks; decode is one block
                 q_blk, pos = blk
-                return self._attend(q_blk, keys, vals, causal_mask(pos, k_pos)), ()
+                return self._attend(q_blk, [(keys, vals, causal_mask(pos, k_pos) & seen[:, None])
+                                            for (keys, vals), k_pos, seen in segments]), ()
 
             return blocks.map_queries(one, self.query_block, (q, positions))[0]
 
-        return contiguous.attend((cache["k"], cache["v"]), attend, self.dtype), cache, ctx
+        out, (ck, cv) = contiguous.extend((cache["k"], cache["v"]), (k, v), positions, valid,
+                                          attend, self.dtype)
+        return out, {"k": ck, "v": cv}, ctx

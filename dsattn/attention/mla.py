@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks
-from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype
+from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
 from dsattn.cache import contiguous, formats
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
@@ -142,17 +142,21 @@ class MLA(nnx.Module):
 
     def extend(self, x, positions, valid, cache, ctx=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
-        stored = contiguous.write(cache["latent"], self.latents(x, positions), positions,
-                                  valid)
+        lat = self.latents(x, positions)
 
-        def attend(lat):
-            k_pos = jnp.broadcast_to(jnp.arange(lat.shape[1]), lat.shape[:2])
-
+        def attend(segments):
             def one(start, blk):  # a prefill chunk by query blocks; decode is one block
                 qn, qp, pos = blk
-                p = masked_softmax(self.absorbed_scores(qn, qp, lat), causal_mask(pos, k_pos))
-                return self.absorbed_output(p, lat), ()
+                s = jnp.concatenate([self.absorbed_scores(qn, qp, lats) for (lats,), _, _
+                                     in segments], -1)
+                p = masked_softmax(s, jnp.concatenate(
+                    [causal_mask(pos, k_pos) & seen[:, None] for _, k_pos, seen in segments], -1))
+                parts = split_keys(p, [k_pos.shape[1] for _, k_pos, _ in segments])
+                return sum(self.absorbed_output(ps, lats)
+                           for ps, ((lats,), _, _) in zip(parts, segments)), ()
 
             return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
 
-        return contiguous.attend((stored,), attend, self.dtype), {"latent": stored}, ctx
+        out, (stored,) = contiguous.extend((cache["latent"],), (lat,), positions, valid, attend,
+                                           self.dtype)
+        return out, {"latent": stored}, ctx

@@ -8,7 +8,9 @@ A container is a flax struct dataclass deriving from `Container`, with
 - `copy`: that copy's index (None: not a view), hence `at`, the index prefix of the stored
   vectors;
 - how a scanned group keeps its copies (`stack`, `copy_at`, `stacked`): by default every leaf
-  gains a leading copies axis;
+  gains a leading copies axis; `whole`, fields a copy's view keeps whole; `begin_scan` and
+  `end_scan`, what it does around a scan over the copies (a contiguous cache writes each
+  copy's chunk after it);
 - its bookkeeping: every other pytree field (positions, page tables, lengths...), sliced
   per copy like any array;
 
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 class Container:
     storage: str  # the field of stored vectors
+    whole: tuple = ()  # other fields a copy's view keeps whole (not sliced per copy)
     copy: jax.Array | None
 
     @property
@@ -53,6 +56,14 @@ class Container:
     def stacked(cls, caches: list):
         """The inverse of `copy_at`: one scanned group's cache from its copies' caches."""
         return jax.tree.map(lambda *a: jnp.stack(a), *caches)
+
+    def begin_scan(self, positions, valid):
+        """Before a scan over a group's copies with a chunk at positions, valid [B, T]."""
+        return self
+
+    def end_scan(self):
+        """After that scan: what the copies deferred, done."""
+        return self
 
     def stored_bytes(self) -> int:
         """Bytes of the stored vectors, without the bookkeeping."""

@@ -17,8 +17,13 @@ import jax.numpy as jnp
 from dsattn.cache.protocol import index, is_container
 
 
-def _without_storage(c):
-    return c.with_vectors({})
+def _small(c):
+    """A container without its stored vectors and the fields it keeps whole."""
+    return c.with_vectors({}).replace(**{f: None for f in c.whole})
+
+
+def _with_whole(small, node):
+    return small.with_vectors(node.vectors).replace(**{f: getattr(node, f) for f in node.whole})
 
 
 def view(stacked, i):
@@ -26,8 +31,7 @@ def view(stacked, i):
     def one(node):
         if not is_container(node):
             return jax.tree.map(lambda a: a[i], node)
-        small = jax.tree.map(lambda a: a[i], _without_storage(node))
-        return small.replace(copy=i).with_vectors(node.vectors)
+        return _with_whole(jax.tree.map(lambda a: a[i], _small(node)).replace(copy=i), node)
 
     return jax.tree.map(one, stacked, is_leaf=is_container)
 
@@ -37,11 +41,22 @@ def merge(stacked, new, i):
     def one(old, node):
         if not is_container(node):
             return jax.tree.map(lambda a, b: a.at[i].set(b), old, node)
-        small = jax.tree.map(lambda a, b: a.at[i].set(b), _without_storage(old),
-                             _without_storage(node).replace(copy=None))
-        return small.with_vectors(node.vectors)
+        small = jax.tree.map(lambda a, b: a.at[i].set(b), _small(old),
+                             _small(node).replace(copy=None))
+        return _with_whole(small, node)
 
     return jax.tree.map(one, stacked, new, is_leaf=is_container)
+
+
+def begin_scan(tree, positions, valid):
+    """Each container of a group's stacked caches before a scan over its copies."""
+    return jax.tree.map(lambda n: n.begin_scan(positions, valid) if is_container(n) else n,
+                        tree, is_leaf=is_container)
+
+
+def end_scan(tree):
+    return jax.tree.map(lambda n: n.end_scan() if is_container(n) else n, tree,
+                        is_leaf=is_container)
 
 
 def stack(tree, copies: int):
