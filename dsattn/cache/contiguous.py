@@ -120,22 +120,20 @@ def _encoded(c: Contiguous, values) -> dict:
 
 def _store(c: Contiguous, stored: dict, slots, enc: dict) -> dict:
     """`stored` (one copy's arrays) with `enc` written at slots [B, T] (max_len: dropped)."""
-    b, t = slots.shape
-    rows = jnp.arange(b)[:, None]
+    rows = jnp.arange(slots.shape[0])[:, None]
     if c.heads_first:
         heads = jnp.arange(next(iter(enc.values())).shape[1])[None, :, None]
         return formats.store(stored, (rows[:, None], heads, slots[:, None]), enc)
     return formats.store(stored, (rows, slots), enc)
 
 
-def write(c: Contiguous, values, positions, valid) -> Contiguous:
-    """Store values [B, T, *inner, w] at slots positions [B, T] where valid [B, T] (inside a
-    scan over a group's copies: the copy's pending chunk, written by `end_scan`)."""
-    enc = _encoded(c, values)
+def _write(c: Contiguous, enc: dict, positions, valid) -> Contiguous:
+    """`c` with a chunk (`_encoded`) stored at slots positions [B, T] where valid [B, T]
+    (inside a scan over a group's copies: the copy's pending chunk, written by `end_scan`)."""
     if c.pending is not None:
         return c.replace(pending={k: a.at[c.copy].set(enc[k]) for k, a in c.pending.items()})
     if c.copies:
-        raise ValueError("contiguous.write: a scanned group's cache is written only inside "
+        raise ValueError("contiguous.extend: a scanned group's cache is written only inside "
                          "a scan over its copies (between begin_scan and end_scan)")
     return c.replace(stored=_store(c, c.stored, jnp.where(valid, positions, c.max_len), enc))
 
@@ -155,11 +153,11 @@ def extend(caches: tuple, new: tuple, positions, valid, fn, dtype):
     slots = jnp.broadcast_to(jnp.arange(first.max_len), (positions.shape[0], first.max_len))
     decoded = lambda stored: tuple(formats.decode(c.fmt, s, dtype)  # noqa: E731
                                    for c, s in zip(caches, stored))
-    caches = tuple(write(c, v, positions, valid) for c, v in zip(caches, new))
+    encoded = tuple(_encoded(c, v) for c, v in zip(caches, new))
+    caches = tuple(_write(c, e, positions, valid) for c, e in zip(caches, encoded))
     if not first.copies:
         return fn([(decoded(c.stored for c in caches), slots, slots >= 0)]), caches
-    fresh = (tuple(formats.decode(c.fmt, _encoded(c, v), dtype) for c, v in zip(caches, new)),
-             positions, valid)
+    fresh = (decoded(encoded), positions, valid)
     before = slots < positions[:, :1]  # each row's chunk starts at its first position
 
     def branch(j):
