@@ -60,14 +60,19 @@ def relayout(tree, units_from, units_to):
 
 def layouts(cfg) -> list:
     """(to_saved, to_current) tree maps for the layouts a run of `cfg`'s model may have
-    been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), and the
-    unrolled layout saved before the layer plan (migrations.MOVED_IN_ATTN)."""
+    been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), scanned
+    with first copies unrolled (migrations.first_copies_unrolled), and the unrolled layout
+    saved before the layer plan (migrations.MOVED_IN_ATTN)."""
     def units(scan: bool):
         return plan.units(dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
 
-    now, other, unrolled = plan.units(cfg), units(not cfg.model.scan_layers), units(False)
-    return [(lambda t: relayout(t, now, other), lambda t: relayout(t, other, now)),
+    def between(saved):
+        return lambda t: relayout(t, now, saved), lambda t: relayout(t, saved, now)
+
+    now, unrolled = plan.units(cfg), units(False)
+    old_scanned = migrations.first_copies_unrolled(units(True), plan.resolve(cfg))
+    return [between(units(not cfg.model.scan_layers)), between(old_scanned),
             (lambda t: migrations.legacy_layout(relayout(t, now, unrolled)),
              lambda t: relayout(migrations.current_layout(t), unrolled, now))]
 

@@ -1,7 +1,8 @@
 """What changed in saved run directories since they were first written, and how today's
 code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`), and
 parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
-`current_layout`, for params and optimizer moments alike). One place for every migration,
+`current_layout`, for params and optimizer moments alike), and scanned layouts that changed
+(`first_copies_unrolled`). One place for every migration,
 so a new one is one entry here; dsattn.config and dsattn.checkpoint apply them."""
 
 from __future__ import annotations
@@ -87,3 +88,18 @@ def legacy_layout(tree):
 def current_layout(tree):
     """A tree saved before the layer plan, in today's layout (inverse of legacy_layout)."""
     return rewrite(tree, "attn", _upgrade_attn)
+
+
+def first_copies_unrolled(units, specs) -> tuple:
+    """The units (plan.Unit) a scanned run had when saved before scans carried a fixed
+    context (through commit 49035c5): a group whose layers write the context (entries, a
+    selection, a pool) ran its first copy unrolled, and the scan only the other copies."""
+    from dsattn.plan import Unit
+
+    out = []
+    for u in units:
+        if u.scanned and any(specs[i].writes_context for i in range(u.start, u.start + u.period)):
+            out.extend(Unit(i) for i in range(u.start, u.start + u.period))
+            u = Unit(u.start + u.period, u.period, u.copies - 1)
+        out.append(u)
+    return tuple(out)

@@ -115,33 +115,41 @@ class ScannedBlocks(nnx.Module):
         self.copies = copies
         self.remat = remat_policy(cfg.model.remat)
         self.layers = create(rngs)
+        self.writes_context = any(s.writes_context for s in specs)
         # The group's last layer that publishes its paged cache to later layers, if any.
         self.publisher = next(((q, s) for q, s in reversed(list(enumerate(specs)))
                                if s.kind.shares), None)
 
-    def _scan(self, step_fn, carry, xs):
-        """Scan `step_fn(blocks_of_one_copy, carry, x) -> (carry, y)` over the copies."""
-        graphdef, state = nnx.split(self.layers)
-
-        def body(c, stacked):
-            st, x = stacked
-            return step_fn(nnx.merge(graphdef, st), c, x)
-
-        if self.remat is not None:
-            body = jax.checkpoint(body, policy=self.remat, prevent_cse=False)
-        return jax.lax.scan(body, carry, (state, xs))
+    def _scan(self, body, carry, xs):
+        """`jax.lax.scan(body, carry, xs)` over the copies (xs stacked over them), the carry
+        given its full structure first: a context field the group writes but finds empty
+        (None) enters as zeros of the shape one copy gives it, so every copy, the first
+        included, runs the one scanned body. The placeholder is never read: a copy writes
+        a field before its layers read it (what a group borrows before it publishes came
+        from earlier layers, plan.check)."""
+        if self.writes_context:
+            first = jax.tree.map(lambda a: a[0], xs)
+            shaped = jax.eval_shape(body, carry, first)[0]
+            zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+            carry = jax.tree.map(lambda a, s: zeros(s) if a is None else a, carry, shaped,
+                                 is_leaf=lambda a: a is None)
+        return jax.lax.scan(body, carry, xs)
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         """(output, one aux dict per layer in stack order, next context)."""
-        def one_copy(blocks, carry, _):
+        graphdef, params = nnx.split(self.layers)
+
+        def one_copy(carry, p):
             x, ctx = carry
             auxes = []
-            for block in blocks:
+            for block in nnx.merge(graphdef, p):
                 x, aux, ctx = block(x, positions, step, ctx)
                 auxes.append(aux)
             return (x, ctx), auxes
 
-        (x, ctx), auxes = self._scan(one_copy, (x, ctx), None)
+        if self.remat is not None:
+            one_copy = jax.checkpoint(one_copy, policy=self.remat, prevent_cse=False)
+        (x, ctx), auxes = self._scan(one_copy, (x, ctx), params)
         per_layer = [jax.tree.map(lambda v, c=c: v[c], aux)
                      for c in range(self.copies) for aux in auxes]
         return x, per_layer, ctx
@@ -165,8 +173,8 @@ class ScannedBlocks(nnx.Module):
             return (x, ctx, stacked.merge(caches, tuple(new), i)), None
 
         caches = stacked.begin_scan(caches, positions, valid)
-        (x, ctx, caches), _ = jax.lax.scan(one_copy, (x, ctx, caches),
-                                           (params, jnp.arange(self.copies, dtype=jnp.int32)))
+        (x, ctx, caches), _ = self._scan(one_copy, (x, ctx, caches),
+                                         (params, jnp.arange(self.copies, dtype=jnp.int32)))
         caches = stacked.end_scan(caches)
         if self.publisher is not None:
             q, spec = self.publisher

@@ -186,6 +186,11 @@ class LayerSpec:
         return self.ratio or 1
 
     @property
+    def writes_context(self) -> bool:
+        """It hands later layers something through the context: entries, a selection, a pool."""
+        return self.kind.shares or self.kind.publishes_selection or self.builds_pool
+
+    @property
     def stored(self) -> tuple[Vector, ...]:
         """Vectors of one global item this layer writes itself (empty for borrowers)."""
         return tuple(v for _, v in self.fields) if self.kind.owns_global else ()
@@ -347,17 +352,10 @@ def _scannable(group) -> bool:
     return not (shares and borrows) or shares[0] < borrows[0]
 
 
-def _writes_context(s: LayerSpec) -> bool:
-    """It hands later layers something through the context: entries, a selection, a pool."""
-    return s.kind.shares or s.kind.publishes_selection or s.builds_pool
-
-
 def units(cfg) -> tuple[Unit, ...]:
     """The stack as units (`model.scan_layers`): greedily from the first layer, the repeated
     group covering the most layers with at least MIN_SCAN_COPIES copies becomes a scanned
-    unit. A group that writes the context runs its first copy unrolled before the scan:
-    that copy fills the context the scan carries (a carry keeps one structure from copy to
-    copy). No unit spans the CED split."""
+    unit. No unit spans the CED split."""
     specs = resolve(cfg)
     n, split = len(specs), cfg.attention.ced_split
     if not cfg.model.scan_layers:
@@ -378,10 +376,6 @@ def units(cfg) -> tuple[Unit, ...]:
             out.append(Unit(i))
             i += 1
             continue
-        if any(_writes_context(s) for s in specs[i: i + p]):
-            out.extend(Unit(j) for j in range(i, i + p))  # the first copy, unrolled
-            out.append(Unit(i + p, p, c - 1))
-        else:
-            out.append(Unit(i, p, c))
+        out.append(Unit(i, p, c))
         i += c * p
     return tuple(out)

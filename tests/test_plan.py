@@ -59,3 +59,14 @@ def test_borrowers_read_the_latest_full_layer_of_their_half():
     # borrowers read their source's cache layout; only owners store
     assert specs[3].fields == specs[0].fields and specs[3].stored == ()
     assert [name for name, _ in specs[0].fields] == ["entry", "key"]
+
+
+def test_every_repeated_group_scans_all_its_copies():
+    """V4.1-Flash's stack as units: each repeated group is one scan over all its copies,
+    including groups that write the context (the full layers' entries and selections, the
+    reindex layers' selections); no unit crosses the CED split at 20."""
+    cfg = config.load(os.path.join(ROOT, "configs", "deepseek", "v4_1_flash.yaml"))
+    U = plan.Unit
+    # swa*2 (too few copies to scan) | (full, reuse*5)*3 || full | (reuse*3, reindex)*4
+    # | reuse*3: the greedy pass from layer 21 covers 16 layers with period 4
+    assert plan.units(cfg) == (U(0), U(1), U(2, 6, 3), U(20), U(21, 4, 4), U(37, 1, 3))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, cli, errors, train
+from dsattn import checkpoint, cli, errors, plan, train
 from dsattn.model import Transformer
 from tests.helpers import ROOT, forward, preset
 
@@ -234,27 +234,49 @@ def test_records_carry_lr_and_time_and_throughput_without_compile(trained):
     assert rows[0]["tokens_per_s"] > 0.005 * clock, (rows[0]["tokens_per_s"], clock)
 
 
-def test_run_saved_before_the_layer_plan_loads_and_resumes(tmp_path):
-    """tests/data/legacy_run was trained and saved by the code before the layer plan moved
-    attention parameters under `source`/`selector` (its make.py, run at commit 46aea4e),
-    with the logits that code computed; it has a layer of every kind that moved."""
-    run = tmp_path / "legacy"
-    shutil.copytree(os.path.join(ROOT, "tests", "data", "legacy_run"), run)
+def _saved_run_loads_and_resumes(tmp_path, name: str):
+    """The run under tests/data/`name` loads into today's model, which computes the logits
+    the saving code computed, and a resuming Trainer's restore finds its parameters and
+    optimizer moments: (config, restored items)."""
+    run = tmp_path / name
+    shutil.copytree(os.path.join(ROOT, "tests", "data", name), run)
     model, cfg, step = checkpoint.load_params(run)
     tokens = np.load(run / "legacy_tokens.npy")
     np.testing.assert_allclose(np.asarray(forward(model, tokens)),
                                np.load(run / "legacy_logits.npy"), rtol=0, atol=1e-5)
-    # What a resuming Trainer restores: parameters and the optimizer's moments.
     params = nnx.to_pure_dict(nnx.state(model))
     like = {"params": params, "opt_state": train.make_optimizer(cfg).init(params)}
     got_step, items = checkpoint.restore_latest(checkpoint.manager(run, keep=2),
                                                 layouts=checkpoint.layouts(cfg), **like)
     assert got_step == step == 2
     assert jax.tree.structure(items) == jax.tree.structure(like)
-    adam = [s for s in jax.tree.leaves(items["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
-            if hasattr(s, "mu")][0]
-    moved = adam.mu["blocks"][4]["attn"]["source"]["compressor"]  # a full layer's compressor
+    return cfg, items
+
+
+def _adam_moments(items):
+    return [s for s in jax.tree.leaves(items["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+            if hasattr(s, "mu")][0].mu
+
+
+def test_run_saved_before_the_layer_plan_loads_and_resumes(tmp_path):
+    """tests/data/legacy_run was trained and saved by the code before the layer plan moved
+    attention parameters under `source`/`selector` (its make.py, run at commit 46aea4e),
+    with the logits that code computed; it has a layer of every kind that moved."""
+    _, items = _saved_run_loads_and_resumes(tmp_path, "legacy_run")
+    moved = _adam_moments(items)["blocks"][4]["attn"]["source"]["compressor"]  # a full layer
     assert any(float(np.abs(x).max()) > 0 for x in jax.tree.leaves(moved))  # trained moments
+
+
+def test_scanned_run_saved_with_first_copies_unrolled_loads_and_resumes(tmp_path):
+    """tests/data/scan_first_copy_run was saved by the code before scans carried a fixed
+    context (its make.py, run at commit 49035c5): its V4.1 groups that write the context
+    ran their first copy unrolled, so its scanned parameters hold one copy fewer. Today
+    every copy is scanned: one stack of three."""
+    cfg, items = _saved_run_loads_and_resumes(tmp_path, "scan_first_copy_run")
+    assert plan.units(cfg)[0] == plan.Unit(0, 2, 3)
+    full = _adam_moments(items)["blocks"][0]["layers"][0]["attn"]["source"]["compressor"]
+    assert all(x.shape[0] == 3 and float(np.abs(x[0]).max()) > 0  # the once-unrolled copy
+               for x in jax.tree.leaves(full))
 
 
 @pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])
