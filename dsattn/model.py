@@ -17,6 +17,7 @@ from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
 from dsattn.cache import stacked
+from dsattn.cache.layer_caches import LayerCache
 from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
@@ -59,11 +60,13 @@ def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
 class DecodeState:
     """What cached generation carries between calls: each row's next position, which rows
     a compiled step refused because they would pass `max_len` (sticky; see
-    generate.check_cache), and one cache per layer. `max_len` is static (not a leaf)."""
+    generate.check_cache), and the layers' caches: one per unit (plan.units), a scanned
+    group's as a tuple over its group's positions, each stacked over the copies
+    (`layer_caches` gives one per layer). `max_len` is static (not a leaf)."""
 
     pos: jax.Array  # int32 [B]
     overflow: jax.Array  # bool [B]
-    layers: tuple
+    layers: tuple[LayerCache | tuple[LayerCache, ...], ...]
     max_len: int = struct.field(pytree_node=False)
 
 
@@ -96,7 +99,7 @@ class Block(nnx.Module):
         x = x + a
         return _rows(x + self.ffn(self.ffn_norm(x))), cache, ctx
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
+    def init_cache(self, batch: int, max_len: int) -> LayerCache:
         return self.attn.init_cache(batch, max_len)
 
 

@@ -64,6 +64,7 @@ def test_exhausted_page_pool_is_an_error():
     cache = generate.init_cache(model, 2, 64)
     layer = model.blocks[0].attn
     # a pool of 3 pages of 16 tokens shared by two rows that need 2 pages each
-    cache.layers[0]["global"] = paged.empty(layer.fields, 2, 64, 16, layer.dtype, n_pages=3)
+    small = paged.empty(layer.fields, 2, 64, 16, layer.dtype, n_pages=3)
+    cache = cache.replace(layers=(cache.layers[0].replace(pages=small),))
     with pytest.raises(paged.CacheExhausted, match="pool exhausted"):
         generate.prefill(model, np.ones((2, 20), int), [20, 20], cache)

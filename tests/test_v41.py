@@ -92,7 +92,7 @@ def test_only_full_layers_own_pages(overrides, owners):
     cfg = preset("v41", *overrides)
     cache = jax.eval_shape(lambda: generate.init_cache(cfg, 2, 64))
     owning = [i for i, c in enumerate(layer_caches(cfg, cache))  # layers holding pages
-              if any(isinstance(x, paged.PagedCache) for x in c.values())]
+              if isinstance(c.pages, paged.PagedCache)]
     assert owning == [i for i, k in enumerate(cfg.attention.layers) if k == "full"]
     assert len(owning) == owners
 

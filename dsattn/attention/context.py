@@ -9,10 +9,15 @@ holding only the encoder's output.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 from flax import struct
+
+from dsattn.cache.paged import PagedCache
+
+if TYPE_CHECKING:  # reads imports this module
+    from dsattn.attention.reads import Entries
 
 
 @struct.dataclass
@@ -41,7 +46,7 @@ class StackContext:
     per query), and (CED decoder) the encoder's output [B, T, D]."""
 
     encoder_out: jax.Array | None = None
-    entries: Any = None
+    entries: Entries | None = None
     selection: Selection | None = None
     pool: Selection | None = None
 
@@ -52,6 +57,6 @@ class CachedContext:
     candidate pool as entry ids, and (CED decoder) the encoder's output chunk."""
 
     encoder_out: Stream | None = None
-    global_cache: Any = None
+    global_cache: PagedCache | None = None
     selection: Selection | None = None
     pool: Selection | None = None

@@ -19,6 +19,7 @@ from dsattn.attention.mla import MLA
 from dsattn.attention.selectors import IndexerSelector
 from dsattn.attention.sources import paged_fields
 from dsattn.cache import formats, paged
+from dsattn.cache.layer_caches import DSACache
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import LayerNorm, RMSNorm
 from dsattn.nn.rope import apply_rope_last
@@ -70,13 +71,13 @@ class DSA(MLA):
         return y, {"indexer_loss": self.selector.loss(kl)}, ctx
 
     def init_cache(self, batch: int, max_len: int):
-        return {"global": paged.empty(self.fields, batch, max_len, self.page_size, self.dtype)}
+        return DSACache(paged.empty(self.fields, batch, max_len, self.page_size, self.dtype))
 
     def extend(self, x, positions, valid, cache, ctx=CachedContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
         new = {"entry": self.latents(x, positions), "key": self.index_keys(x, positions)}
-        g = paged.append(cache["global"], new, jnp.sum(valid, -1, dtype=jnp.int32))
+        g = paged.append(cache.pages, new, jnp.sum(valid, -1, dtype=jnp.int32))
         read, _, ctx = self.selector(g, cq, x, positions, self.theta, None, ctx, None,
                                      self.dtype)  # only the top-k tokens' latents
-        return self._attend(q_nope, q_pe, positions, valid, read)[0], {"global": g}, ctx
+        return self._attend(q_nope, q_pe, positions, valid, read)[0], DSACache(g), ctx

@@ -20,6 +20,7 @@ from dsattn.attention.core import SinkAttentionOutput
 from dsattn.attention.local import LocalKV, Window
 from dsattn.attention.query import Query
 from dsattn.cache import formats, ring
+from dsattn.cache.layer_caches import V4Cache
 from dsattn.plan import LayerSpec
 
 
@@ -55,27 +56,24 @@ class V4Attention(nnx.Module):
                           target)
         return y, ({} if kl is None else {"indexer_loss": self.selector.loss(kl)}), ctx
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
+    def init_cache(self, batch: int, max_len: int) -> V4Cache:
         """The ring always; streaming state and pages only for layers that own entries."""
-        cache = {"ring": ring.empty(self.local_fmt, batch, self.window,
-                                    self.local.wkv.out_features, self.rope_dim, self.dtype)}
-        if self.source is not None:
-            cache.update(self.source.init_cache(batch, max_len))
-        return cache
+        cache = V4Cache(ring.empty(self.local_fmt, batch, self.window,
+                                   self.local.wkv.out_features, self.rope_dim, self.dtype))
+        return cache if self.source is None else self.source.init_cache(cache, batch, max_len)
 
-    def extend(self, x, positions, valid, cache: dict, ctx=CachedContext()):
+    def extend(self, x, positions, valid, cache: V4Cache, ctx=CachedContext()):
         """Cached prefill/decode of x [B, T, D] at `positions` (where `valid`): (output, the
         layer's new cache, next context)."""
         q, qr = self.query(x, positions, self.theta)
         kv = self.local(x, positions, self.theta)
-        keys, key_pos = ring.local_keys(cache["ring"], self.dtype, kv, positions, valid,
+        keys, key_pos = ring.local_keys(cache.ring, self.dtype, kv, positions, valid,
                                         self.window)
         window = Window(keys, key_pos, lead=keys.shape[1] - x.shape[1], size=self.window)
-        new = {"ring": ring.write(cache["ring"], kv, positions, valid)}
+        new = cache.replace(ring=ring.write(cache.ring, kv, positions, valid))
         read = None
         if self.source is not None:
-            g, own, ctx = self.source.extend(cache, x, positions, valid, ctx)
-            new.update(own)
+            g, new, ctx = self.source.extend(new, x, positions, valid, ctx)
             read, _, ctx = self.selector(g, qr, x, positions, self.theta, None, ctx, None,
                                          self.dtype)
         y, _ = self.core(q, positions, valid, window, read, self.theta)

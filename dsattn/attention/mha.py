@@ -10,6 +10,7 @@ from flax import nnx
 from dsattn.attention import blocks
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
 from dsattn.cache import contiguous, formats
+from dsattn.cache.layer_caches import MHACache
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope
 
@@ -81,7 +82,7 @@ class MHA(nnx.Module):
     def init_cache(self, batch: int, max_len: int):
         mk = lambda: contiguous.empty(self.fmt, batch, max_len, (self.n_kv,), self.head_dim,
                                       0, self.dtype, heads_first=True)
-        return {"k": mk(), "v": mk()}
+        return MHACache(mk(), mk())
 
     def extend(self, x, positions, valid, cache, ctx=None):
         """Append x's tokens at `positions` (where `valid`) and attend over the cache."""
@@ -95,6 +96,6 @@ class MHA(nnx.Module):
 
             return blocks.map_queries(one, self.query_block, (q, positions))[0]
 
-        out, (ck, cv) = contiguous.extend((cache["k"], cache["v"]), (k, v), positions, valid,
+        out, (ck, cv) = contiguous.extend((cache.k, cache.v), (k, v), positions, valid,
                                           attend, self.dtype)
-        return out, {"k": ck, "v": cv}, ctx
+        return out, MHACache(ck, cv), ctx

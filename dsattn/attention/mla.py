@@ -17,6 +17,7 @@ from flax import nnx
 from dsattn.attention import blocks
 from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
 from dsattn.cache import contiguous, formats
+from dsattn.cache.layer_caches import MLACache
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.rope import apply_rope
@@ -137,8 +138,8 @@ class MLA(nnx.Module):
         return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0], {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
-        return {"latent": contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
-                                           self.dr, self.dtype)}
+        return MLACache(contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
+                                         self.dr, self.dtype))
 
     def extend(self, x, positions, valid, cache, ctx=None):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
@@ -157,6 +158,6 @@ class MLA(nnx.Module):
 
             return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
 
-        out, (stored,) = contiguous.extend((cache["latent"],), (lat,), positions, valid, attend,
+        out, (stored,) = contiguous.extend((cache.latent,), (lat,), positions, valid, attend,
                                            self.dtype)
-        return out, {"latent": stored}, ctx
+        return out, MLACache(stored), ctx

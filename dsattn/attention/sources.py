@@ -45,11 +45,13 @@ class CompressedKeys(nnx.Module):
         return self.compressor, self.compressor.block(jax.lax.stop_gradient(src))
 
     def init_state(self, batch: int):
-        return {"key_comp": self.compressor.init_state(batch)}
+        return self.compressor.init_state(batch)
 
-    def step(self, cache, entry_compressor, src, positions, valid, pre, index):
-        state, kpre, kidx, _ = self.compressor.step(cache["key_comp"], src, positions, valid)
-        return {"key_comp": state}, self.compressor, kpre, kidx
+    def step(self, state, entry_compressor, src, positions, valid, pre, index):
+        """(the key compressor's new state, the compressor that made the keys, keys before
+        RoPE, their entry indices)."""
+        state, kpre, kidx, _ = self.compressor.step(state, src, positions, valid)
+        return state, self.compressor, kpre, kidx
 
 
 class ProjectedKeys(nnx.Module):
@@ -65,10 +67,10 @@ class ProjectedKeys(nnx.Module):
         return entry_compressor, self.key_norm(self.key_proj(jax.lax.stop_gradient(pre_rope)))
 
     def init_state(self, batch: int):
-        return {}
+        return None  # no state: a key is a projection of its entry
 
-    def step(self, cache, entry_compressor, src, positions, valid, pre, index):
-        return {}, entry_compressor, self.key_norm(self.key_proj(pre)), index
+    def step(self, state, entry_compressor, src, positions, valid, pre, index):
+        return state, entry_compressor, self.key_norm(self.key_proj(pre)), index
 
 
 KEY_BUILDERS = {Key.COMPRESSOR: lambda cfg, spec, rngs: CompressedKeys(cfg, spec.ratio, rngs),
@@ -114,34 +116,32 @@ class OwnEntries(nnx.Module):
             ctx = ctx.replace(entries=store)
         return store, ctx
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        cache = {"comp": self.compressor.init_state(batch),
-                 "global": paged.empty(self.fields, batch, max(max_len // self.spec.ratio, 1),
-                                       self.page_size, self.dtype)}
-        if self.keys is not None:
-            cache.update(self.keys.init_state(batch))
-        return cache
+    def init_cache(self, cache, batch: int, max_len: int):
+        """The layer's cache (layer_caches.V4Cache) with its pages and compressor states."""
+        return cache.replace(
+            pages=paged.empty(self.fields, batch, max(max_len // self.spec.ratio, 1),
+                              self.page_size, self.dtype),
+            compressor=self.compressor.init_state(batch),
+            key_compressor=None if self.keys is None else self.keys.init_state(batch))
 
-    def extend(self, cache: dict, x, positions, valid, ctx: CachedContext):
+    def extend(self, cache, x, positions, valid, ctx: CachedContext):
         """Stream the source through the compressor(s) and append complete entries.
 
-        Returns (the paged cache to read, this layer's new cache parts, the next context)."""
+        Returns (the paged cache to read, the layer's cache updated, the next context)."""
         if self.source_norm is not None:
             enc = ctx.encoder_out
             x, positions, valid = self.source_norm(enc.x), enc.positions, enc.valid
-        state, pre, index, done = self.compressor.step(cache["comp"], x, positions, valid)
+        state, pre, index, done = self.compressor.step(cache.compressor, x, positions, valid)
         new = {"entry": self.compressor.rope_entries(pre, index, self.rope_dim, self.theta)}
-        parts = {"comp": state}
+        key_state = cache.key_compressor
         if self.keys is not None:
-            kparts, comp, kpre, kidx = self.keys.step(cache, self.compressor, x, positions,
-                                                      valid, pre, index)
-            parts.update(kparts)
+            key_state, comp, kpre, kidx = self.keys.step(key_state, self.compressor, x,
+                                                         positions, valid, pre, index)
             new["key"] = comp.rope_entries(kpre, kidx, self.key_rope, self.theta)
-        g = paged.append(cache["global"], new, jnp.sum(done, -1, dtype=jnp.int32))
-        parts["global"] = g
+        g = paged.append(cache.pages, new, jnp.sum(done, -1, dtype=jnp.int32))
         if self.spec.kind.shares:
             ctx = ctx.replace(global_cache=g)
-        return g, parts, ctx
+        return g, cache.replace(pages=g, compressor=state, key_compressor=key_state), ctx
 
 
 class BorrowedEntries(nnx.Module):
@@ -151,16 +151,16 @@ class BorrowedEntries(nnx.Module):
     def __call__(self, x, ctx: StackContext, n: int):
         return ctx.entries, ctx
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        return {}
+    def init_cache(self, cache, batch: int, max_len: int):
+        return cache
 
     def extend(self, cache, x, positions, valid, ctx: CachedContext):
-        return ctx.global_cache, {}, ctx
+        return ctx.global_cache, cache, ctx
 
 
-def published(spec: LayerSpec, cache: dict):
+def published(spec: LayerSpec, cache):
     """The paged cache a layer's cached run publishes to later layers, or None."""
-    return cache["global"] if spec.kind.shares else None
+    return cache.pages if spec.kind.shares else None
 
 
 SOURCES = {  # (cfg, spec, theta, rngs) -> the source; None: window only (or not V4)
