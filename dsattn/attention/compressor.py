@@ -28,22 +28,13 @@ Softmax statistics run in at least float32 (float64 stays float64).
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from dsattn.attention.common import softmax_dtype
+from dsattn.cache.compressor_state import PoolState
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.rope import apply_rope_last
-
-
-@struct.dataclass
-class PoolState:
-    """Streaming accumulators of the open entries, per row and channel: softmax-pooling
-    (max, denominator, weighted sum), each [B, open entries, width] in the stats dtype."""
-
-    max: jax.Array
-    den: jax.Array
-    num: jax.Array
 
 
 def _merge(a, b):

@@ -5,10 +5,11 @@ stacked over the copies)."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 from flax import struct
 
+from dsattn.cache.compressor_state import PoolState
 from dsattn.cache.contiguous import Contiguous
 from dsattn.cache.paged import PagedCache
 from dsattn.cache.ring import Ring
@@ -40,12 +41,12 @@ class DSACache:
 class V4Cache:
     """A V4-family layer: its window (a ring); a layer that owns entries also its paged
     global cache (entries, and search keys if its kind scans them) and its compressors'
-    open spans (attention.compressor.PoolState; the key compressor's for CSA)."""
+    open spans (the key compressor's too for CSA)."""
 
     ring: Ring
     pages: PagedCache | None = None
-    compressor: Any = None
-    key_compressor: Any = None
+    compressor: PoolState | None = None
+    key_compressor: PoolState | None = None
 
 
 LayerCache = Union[MHACache, MLACache, DSACache, V4Cache]

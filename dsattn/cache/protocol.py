@@ -4,7 +4,8 @@ sharding, generate's checks, the benchmarks) needs no switch on cache types.
 A container is a flax struct dataclass deriving from `Container`, with
 
 - `storage`: the name of its field holding the stored vectors (what kvbytes counts); in a
-  scanned group's per-copy view they stay stacked and are read and written at `at`;
+  scanned group's per-copy view they stay stacked and are read and written at `at`. None:
+  bookkeeping only (a compressor's open spans), sliced per copy like any array;
 - `copy`: that copy's index (None: not a view), hence `at`, the index prefix of the stored
   vectors;
 - how a scanned group keeps its copies (`stack`, `copy_at`, `stacked`): by default every leaf
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 
 class Container:
-    storage: str  # the field of stored vectors
+    storage: str | None  # the field of stored vectors (None: none)
     whole: tuple = ()  # other fields a copy's view keeps whole (not sliced per copy)
     copy: jax.Array | None
 
@@ -38,11 +39,11 @@ class Container:
 
     @property
     def vectors(self):
-        """The stored vectors (the `storage` field's value)."""
-        return getattr(self, self.storage)
+        """The stored vectors (the `storage` field's value; {} if it has none)."""
+        return {} if self.storage is None else getattr(self, self.storage)
 
     def with_vectors(self, value):
-        return self.replace(**{self.storage: value})
+        return self if self.storage is None else self.replace(**{self.storage: value})
 
     def stack(self, copies: int):
         """This (empty) cache for each of `copies` copies of a scanned layer group."""
