@@ -7,9 +7,8 @@ its own next position in ``cache.pos``. Prompts are padded to power-of-two bucke
 compiles stay bounded, and an engine's decode program compiles once per (batch, max_len).
 
 An ``Engine(model)`` splits the model once (graphdef and a pure dict of its weights) and owns
-its jitted prefill and decode programs, the host-side record of the caches it produced (row
-positions, for capacity checks without a device sync, and evaluation counts) and the count
-of decode programs it compiled::
+its jitted prefill and decode programs and the host-side record of the caches it produced
+(row positions, for capacity checks without a device sync, and evaluation counts)::
 
     eng = generate.engine(model)           # the model's engine (or Engine(model): a new one)
     cache = eng.init_cache(batch, max_len)
@@ -38,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-import threading
 import weakref
 from functools import partial
 from typing import Any, NamedTuple
@@ -55,29 +53,6 @@ from dsattn.model import DecodeState, Transformer, check_tokens
 
 MIN_BUCKET = 16
 PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
-
-# jax records this event (with the program's duration) each time it compiles a program for a
-# jit call (a persistent-cache load included): counted while an engine runs its decode program.
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_running = threading.local()  # .engine: the engine whose decode program this thread is calling
-_decode_compiled = 0  # decode programs compiled in this process, all engines
-
-
-def _on_event_duration(event: str, duration: float, **kwargs) -> None:
-    global _decode_compiled
-    eng = getattr(_running, "engine", None)
-    if eng is not None and event == _COMPILE_EVENT:
-        eng.decode_compilations += 1
-        _decode_compiled += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
-
-
-def decode_compilations() -> int:
-    """How many decode programs (one per engine and cache shape) this process has compiled."""
-    return _decode_compiled
-
 
 class _Seen(NamedTuple):
     """What an engine knows of a cache it produced, kept while its `pos` array lives."""
@@ -129,7 +104,6 @@ class Engine:
         # stops, greedy) -> (tokens [B, max_len], counts [B], cache): generate's token loop.
         self.sample_loop_fn = jax.jit(partial(_sample_loop, self.graphdef), donate_argnums=2,
                                       static_argnames=("stops", "greedy"))
-        self.decode_compilations = 0  # decode programs this engine compiled
         self._seen: dict[int, _Seen] = {}
         self._shapes = None  # an abstract model for init_cache
 
@@ -290,12 +264,8 @@ class Engine:
         that would pass max_len is refused inside the step (it writes nothing, keeps its
         position, gets NaN logits and is flagged for check_cache); the engine does not record
         the returned cache (decode_step reads it once)."""
-        _running.engine = self
-        try:
-            with self._on_mesh():
-                return self.decode_fn(self.state, next_tokens, cache)
-        finally:
-            _running.engine = None
+        with self._on_mesh():
+            return self.decode_fn(self.state, next_tokens, cache)
 
     # -- sampling loop --------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0,

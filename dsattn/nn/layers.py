@@ -1,7 +1,6 @@
 """Dense projections, the SwiGLU feed-forward block and token embeddings."""
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 
