@@ -3,6 +3,8 @@ from the config. One set of weights runs three ways: `model(tokens)` (teacher-fo
 and `extend` over an explicit cache pytree (prefill and decode, driven by dsattn.generate).
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -124,18 +126,20 @@ class ScannedBlocks(nnx.Module):
                                if s.kind.shares), None)
 
     def _scan(self, body, carry, xs):
-        """`jax.lax.scan(body, carry, xs)` over the copies (xs stacked over them), the carry
-        given its full structure first: a context field the group writes but finds empty
-        (None) enters as zeros of the shape one copy gives it, so every copy, the first
-        included, runs the one scanned body. The placeholder is never read: a copy writes
-        a field before its layers read it (what a group borrows before it publishes came
-        from earlier layers, plan.check)."""
+        """`jax.lax.scan(body, carry, xs)` over the copies (xs stacked over them; the carry's
+        second item is the context), the context given the structure one copy gives it
+        first: a field the group writes but finds empty (None), or holding another shape
+        (an earlier full layer's entries at another ratio), enters as zeros of the shape the
+        copy writes, so every copy, the first included, runs the one scanned body. That
+        value is never read: a copy writes such a field before its layers read it (what a
+        layer reads before its group writes it has the shape the group writes: a borrower
+        shares its source's ratio, plan.check)."""
         if self.writes_context:
-            first = jax.tree.map(lambda a: a[0], xs)
-            shaped = jax.eval_shape(body, carry, first)[0]
-            zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
-            carry = jax.tree.map(lambda a, s: zeros(s) if a is None else a, carry, shaped,
-                                 is_leaf=lambda a: a is None)
+            ctx = carry[1]
+            out = jax.eval_shape(body, carry, jax.tree.map(lambda a: a[0], xs))[0][1]
+            fields = {f.name: _shaped_like(getattr(ctx, f.name), getattr(out, f.name))
+                      for f in dataclasses.fields(ctx)}
+            carry = (carry[0], ctx.replace(**fields), *carry[2:])
         return jax.lax.scan(body, carry, xs)
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
@@ -282,6 +286,17 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         return self.embedding.logits(h)
+
+
+def _shaped_like(value, shape):
+    """`value` if it has the structure, shapes and dtypes of `shape` (a tree of
+    ShapeDtypeStructs), else zeros of those."""
+    def spec(t):
+        return jax.tree.structure(t), [(a.shape, a.dtype) for a in jax.tree.leaves(t)]
+
+    if spec(value) == spec(shape):
+        return value
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
 
 
 def _rows(x):

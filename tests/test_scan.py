@@ -21,6 +21,10 @@ PATTERNS = {
     "v41": ("v41", "model.n_layers=13", "attention.ced_split=6",
             "attention.layers=(full, reuse)*3, full, (reindex, reuse)*3",
             "attention.ratios=2*6, 1*7"),
+    # a scanned group of full layers after a full layer of another ratio: the context it
+    # finds holds entries of another shape than the ones it writes
+    "v41_ratios": ("v41", "model.n_layers=4", "attention.ced_split=0",
+                   "attention.layers=full*4", "attention.ratios=2, 1*3"),
 }
 
 
