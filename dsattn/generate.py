@@ -4,42 +4,43 @@
 Both prefill and decode extend the cache by some tokens per row: prefill by a padded chunk
 (each row its own length), decode by one token per row. Rows are ragged: every row keeps
 its own next position in ``cache.pos``. Prompts are padded to power-of-two buckets so
-compiles stay bounded, and an engine's decode program compiles once per (batch, max_len).
+compiles stay bounded, and the decode program compiles once per (model structure, batch,
+max_len).
 
-An ``Engine(model)`` splits the model once (graphdef and a pure dict of its weights) and owns
-its jitted prefill and decode programs and the host-side record of the caches it produced
-(row positions, for capacity checks without a device sync, and evaluation counts)::
+An ``Engine(model)`` is a value: the model's graph, a snapshot of its weights (a pure dict)
+and an optional mesh. Its programs are this module's jitted functions with the graph as a
+static argument, so every engine of models of one structure shares them::
 
-    eng = generate.engine(model)           # the model's engine (or Engine(model): a new one)
+    eng = generate.Engine(model)
     cache = eng.init_cache(batch, max_len)
     logits, cache = eng.prefill(tokens, lengths, cache, replay=None)   # [B, V]
     logits, cache = eng.decode_step(next_tokens, cache)                # [B, V]
-    eng.evaluations(cache)                  # (position, layer) evaluations run for the cache
+    generate.evaluations(cache)        # (position, layer) evaluations run for the cache
     eng.generate(prompts, max_new_tokens, ...)
 
-``Engine(model, mesh)`` runs the same programs on a device mesh (dsattn.sharding): weights
-and caches split, caches made in place on their devices, decode still compiled once.
+The engine holds the weights it was made with: after training further, make a new one
+(cheap: nothing compiles again). ``Engine(model, mesh)`` runs the same programs on a device
+mesh (dsattn.sharding): weights and caches split, caches made in place on their devices,
+decode still compiled once.
 
 The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
-``generate(model, ...)`` are conveniences over ``engine(model)``: one engine per live model
-(a weak mapping, so it goes with the model), re-reading the model's weights on each call
-(an identity check of its weight arrays) so in-place updates (an optimizer step,
-``nnx.update``, a checkpoint restore) are seen. They also accept an engine, used as it is.
+``generate(model, ...)`` make an engine of the model's current weights for the call (they
+also accept an engine, used as it is); a loop of steps should make its engine once.
 
 A cache holds ``max_len`` positions per row. prefill and decode_step refuse, with
 ``CacheExhausted`` and before anything runs, a call that would take a row past it, so the
-cache stays as it was; the compiled programs also refuse such rows themselves (see
-``check_cache``).
+cache stays as it was. The positions they check travel with the cache on the host
+(``DecodeState.host_pos``, set by each call), so the check reads nothing from the device
+and decode stays asynchronous; a cache whose host positions are unknown (one returned by a
+jax transformation) is read once. The compiled programs also refuse such rows themselves
+(see ``check_cache``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import operator
-import weakref
 from functools import partial
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,29 +55,40 @@ from dsattn.model import DecodeState, Transformer, check_tokens
 MIN_BUCKET = 16
 PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
 
-class _Seen(NamedTuple):
-    """What an engine knows of a cache it produced, kept while its `pos` array lives."""
 
-    ref: Any  # weakref to cache.pos (immutable: the record stays exact)
-    pos: np.ndarray  # the rows' positions [B] on the host
-    evals: Any  # (position, layer) evaluations of prefill programs: a device scalar or 0
-    decode_evals: int  # and of decode steps (host-known: every row of a checked step runs)
+class Graph:
+    """A model's graphdef as a static argument of the compiled programs. Hashing a GraphDef
+    walks the whole module graph (ms for a tiny V4.1), too slow for every call, so the hash
+    is taken once; graphs of models of one structure are equal, so their engines share the
+    compiled programs."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, Graph) or self._hash != other._hash:
+            return False
+        if self.graphdef is other.graphdef:
+            return True
+        if self.graphdef == other.graphdef:  # as slow as hashing: share the graphdef, so
+            other.graphdef = self.graphdef  # jit's next lookup compares by identity
+            return True
+        return False
 
 
 class Engine:
-    """A model split once into (graphdef, pure-dict weights), with its own compiled prefill
-    and decode programs and the record of the caches it produced.
-
-    `nnx.split` walks the whole module graph (a few ms for a tiny model), more than a tiny
-    decode step, so an engine splits once; the weights are a plain nested dict of arrays,
-    which jit flattens in C++ (nnx Variables would cost a Python callback each). The engine
-    does not keep the model alive. It reads the weights when built and on `refresh()`
-    (cheap when nothing changed); replacing a sub-module or a Variable object itself, rather
-    than its value, needs a new engine.
-
-    Decode programs are compiled per engine: two engines of one model compile twice (the
-    module functions share one engine per model, see `engine`).
-    """
+    """A model as a value: its graph, its weights as a plain nested dict of arrays (which
+    jit flattens in C++; nnx Variables would cost a Python callback each) and an optional
+    mesh. `nnx.split` walks the whole module graph (a few ms for a tiny model), more than a
+    tiny decode step, so an engine splits once; it keeps the weights it was made with and
+    not the model."""
 
     def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None):
         if not isinstance(model, nnx.Module):
@@ -86,41 +98,9 @@ class Engine:
         # On a mesh of several devices the weights and caches are split (dsattn.sharding)
         # and the programs run under it; None: one device, as always.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
-        self.graphdef, state = nnx.split(model)
-        keyed, self._treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
-        found = {p: v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-        # The model's own Variables, in the state's leaf order (None: refresh re-splits).
-        variables = [found.get(tuple(k.key for k in path)) for path, _ in keyed]
-        self._variables = None if any(v is None for v in variables) else variables
-        self._model = weakref.ref(model)
-        self._raws: list = [leaf for _, leaf in keyed]
-        self.state = self._placed(jax.tree.unflatten(self._treedef, self._raws))
-        # The compiled programs, public for lowering (dsattn.bench.lower); replay (argument 4)
-        # is static and the cache (3) donated. decode_fn(state, tokens [B], cache).
-        self.prefill_fn = jax.jit(partial(_extend_impl, self.graphdef), static_argnums=4,
-                                  donate_argnums=3)
-        self.decode_fn = jax.jit(partial(_decode_impl, self.graphdef), donate_argnums=2)
-        # sample_loop_fn(state, logits, cache, key, temperature, top_p, eos, max_new, *,
-        # stops, greedy) -> (tokens [B, max_len], counts [B], cache): generate's token loop.
-        self.sample_loop_fn = jax.jit(partial(_sample_loop, self.graphdef), donate_argnums=2,
-                                      static_argnames=("stops", "greedy"))
-        self._seen: dict[int, _Seen] = {}
-        self._shapes = None  # an abstract model for init_cache
-
-    # -- weights --------------------------------------------------------------------------
-    def refresh(self) -> "Engine":
-        """Re-read the model's weights if any changed since (returns the engine)."""
-        if self._variables is None:
-            model = self._model()
-            if model is None:
-                return self
-            raws = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
-        else:
-            raws = [v.get_raw_value() for v in self._variables]
-        if not all(map(operator.is_, raws, self._raws)):
-            self._raws = raws
-            self.state = self._placed(jax.tree.unflatten(self._treedef, raws))
-        return self
+        graphdef, state = nnx.split(model)
+        self.graph = Graph(graphdef)
+        self.state = self._placed(nnx.to_pure_dict(state))
 
     def _placed(self, state):
         """The weights laid out on the mesh (as they are without one)."""
@@ -136,48 +116,14 @@ class Engine:
     def init_cache(self, batch: int, max_len: int | None = None) -> DecodeState:
         """An empty cache for `batch` rows of up to `max_len` tokens (default: the model's
         `model.max_seq_len`)."""
-        if self._shapes is None:
-            self._shapes = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0)))
+        shapes = nnx.merge(self.graph.graphdef, nnx.State(jax.eval_shape(lambda: self.state)))
         if self.mesh is None:
-            return self._shapes.init_cache(batch, max_len)
+            return shapes.init_cache(batch, max_len)
         # On a mesh: one pool group per row shard, and each shard made on its own device.
         groups = sharding.row_shards(self.mesh, batch)
-        make = lambda: split_pools(self._shapes.init_cache(batch, max_len), groups)
+        make = lambda: split_pools(shapes.init_cache(batch, max_len), groups)
         out = sharding.cache_shardings(self.units, jax.eval_shape(make), self.mesh)
-        return jax.jit(make, out_shardings=out)()
-
-    def _known(self, cache) -> _Seen | None:
-        """The record of a cache: kept if this engine produced it, else read once (a device
-        sync) and kept; None under an outer jit (the compiled check applies)."""
-        pos = cache.pos
-        if isinstance(pos, jax.core.Tracer):
-            return None
-        seen = self._seen.get(id(pos))
-        if seen is not None and seen.ref() is pos:
-            return seen
-        return self._remember(cache, np.asarray(jax.device_get(pos)), 0, 0)
-
-    def _remember(self, cache, host_pos, evals, decode_evals) -> _Seen:
-        pos, key, seen = cache.pos, id(cache.pos), self._seen
-
-        def forget(ref):
-            if (entry := seen.get(key)) is not None and entry.ref is ref:
-                del seen[key]
-
-        entry = seen[key] = _Seen(weakref.ref(pos, forget), host_pos, evals, decode_evals)
-        return entry
-
-    def evaluations(self, cache) -> int:
-        """(position, layer) evaluations this engine ran to produce `cache` (prefill chunks,
-        decode steps), counted from the first time it saw the cache's lineage (all of them
-        for a cache from init_cache). A replay prefill runs its decoder layers over only R
-        positions per row. Raises InputError for a cache this engine did not produce."""
-        pos = cache.pos
-        seen = self._seen.get(id(pos))
-        if seen is None or seen.ref() is not pos:
-            raise InputError("evaluations: this engine did not produce this cache (use the "
-                             "engine that ran its prefill and decode steps)")
-        return int(seen.evals) + seen.decode_evals
+        return jax.jit(make, out_shardings=out)().replace(host_pos=np.zeros(batch))
 
     # -- programs -------------------------------------------------------------------------
     def prefill(self, tokens, lengths, cache, replay=None, chunk: int = PREFILL_CHUNK):
@@ -211,16 +157,15 @@ class Engine:
             check_tokens(tokens[row, : lengths[row]], cfg.model.vocab_size,
                          f"tokens (row {row})")
         max_len = cache_capacity(cache)
-        seen = self._known(cache)
-        if seen is None:
+        start = host_positions(cache)
+        if start is None:
             raise InputError("prefill runs on the host: call it outside jit, with a concrete "
                              "cache")
-        start = seen.pos
         _check_room(start, lengths, max_len, "prefill: prompt too long for the cache")
         # Decoder positions kept under replay: each row's last R (absolute positions).
         replay_from = (None if replay is None
                        else jnp.asarray(start + lengths - replay, jnp.int32))
-        logits, evals = None, seen.evals
+        logits = None
         for c0 in range(0, max(int(lengths.max(initial=0)), 1), chunk):
             n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
             width = bucket_length(int(n_new.max(initial=1)), max_len)
@@ -228,15 +173,13 @@ class Engine:
             part = tokens[:, c0: c0 + width]
             padded[:, : part.shape[1]] = part
             with self._on_mesh():
-                out, cache, e = self.prefill_fn(self.state, jnp.asarray(padded),
-                                                jnp.asarray(n_new), cache, replay, replay_from)
-            evals = evals + e
+                out, cache = prefill_program(self.graph, self.state, jnp.asarray(padded),
+                                             jnp.asarray(n_new), cache, replay, replay_from)
             # Each row's logits come from the chunk holding its last prompt token.
             logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None],
                                                           out, logits)
         check_cache(cache)
-        self._remember(cache, start + lengths, evals, seen.decode_evals)
-        return logits, cache
+        return logits, cache.replace(host_pos=start + lengths)
 
     def decode_step(self, next_tokens, cache):
         """Append one token per row; return next-token logits [B, V] and the updated cache.
@@ -244,28 +187,26 @@ class Engine:
         Host inputs are validated; device arrays (e.g. sampled tokens) are trusted, so the
         step stays free of host round trips. A row whose cache is full (max_len positions)
         raises CacheExhausted before anything runs: the cache is then unchanged and still
-        valid. The check reads positions this engine already knows (from its prefill and
-        earlier steps); a cache it has not seen is read once.
+        valid. The check reads the positions the cache carries on the host (from its prefill
+        and earlier steps); a cache without them is read once.
         """
         if not isinstance(next_tokens, jax.Array):
             check_tokens(next_tokens, self.cfg.model.vocab_size, "next_tokens")
             next_tokens = np.asarray(next_tokens, np.int32).reshape(-1)
-        seen = self._known(cache)
-        if seen is not None:
-            _check_room(seen.pos, 1, cache_capacity(cache), "decode_step")
+        pos = host_positions(cache)
+        if pos is None:  # under an outer jit: the compiled check applies
+            return self.decode_unchecked(next_tokens, cache)
+        _check_room(pos, 1, cache_capacity(cache), "decode_step")
         logits, cache = self.decode_unchecked(next_tokens, cache)
-        if seen is not None:  # every row ran one position in every layer
-            self._remember(cache, seen.pos + 1, seen.evals,
-                           seen.decode_evals + len(seen.pos) * self.cfg.model.n_layers)
-        return logits, cache
+        return logits, cache.replace(host_pos=pos + 1)
 
     def decode_unchecked(self, next_tokens, cache):
         """The compiled decode step alone: no validation and no host capacity check. A row
         that would pass max_len is refused inside the step (it writes nothing, keeps its
-        position, gets NaN logits and is flagged for check_cache); the engine does not record
-        the returned cache (decode_step reads it once)."""
+        position, gets NaN logits and is flagged for check_cache); the returned cache does not
+        carry its positions on the host (decode_step reads them once)."""
         with self._on_mesh():
-            return self.decode_fn(self.state, next_tokens, cache)
+            return decode_program(self.graph, self.state, next_tokens, cache)
 
     # -- sampling loop --------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0,
@@ -311,8 +252,8 @@ class Engine:
         key = jax.random.PRNGKey(seed)
         if on_token is None:  # the whole token loop as one compiled program
             with self._on_mesh():
-                out, n, cache = self.sample_loop_fn(
-                    self.state, logits, cache, key, jnp.float32(max(temperature, 1e-6)),
+                out, n, cache = sample_loop_program(
+                    self.graph, self.state, logits, cache, key, jnp.float32(max(temperature, 1e-6)),
                     jnp.float32(top_p), jnp.int32(-1 if eos_id is None else eos_id),
                     jnp.int32(max_new_tokens), stops=tuple(map(tuple, stop)),
                     greedy=temperature == 0)
@@ -343,22 +284,26 @@ class Engine:
         return outputs
 
 
-# One engine per live model for the module functions (weak: it goes with the model).
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def engine(model: Transformer | Engine) -> Engine:
-    """The model's engine, shared by the module functions and by every caller of engine(model)
-    (so its programs compile once), with the model's current weights (see Engine.refresh).
-    An engine is returned as it is."""
-    if isinstance(model, Engine):
-        return model
-    eng = _ENGINES.get(model)
-    if eng is None:
-        eng = _ENGINES[model] = Engine(model)
-        return eng
-    return eng.refresh()
+    """An engine of the model's current weights (an engine is returned as it is)."""
+    return model if isinstance(model, Engine) else Engine(model)
 
+
+def host_positions(cache: DecodeState) -> np.ndarray | None:
+    """Each row's next position [B] on the host: carried by the cache, else read from the
+    device (a sync); None under a jax transformation (the compiled check applies)."""
+    if cache.host_pos is not None:
+        return cache.host_pos
+    if isinstance(cache.pos, jax.core.Tracer):
+        return None
+    return np.asarray(jax.device_get(cache.pos))
+
+
+def evaluations(cache: DecodeState) -> int:
+    """(position, layer) evaluations run to produce `cache`, over all rows: every prefill
+    chunk and decode step since init_cache (a replay prefill runs its decoder layers over
+    only R positions per row)."""
+    return int(np.sum(np.asarray(jax.device_get(cache.evaluations), np.int64)))
 
 
 def init_cache(cfg_or_model, batch: int, max_len: int | None = None) -> DecodeState:
@@ -385,9 +330,9 @@ def bucket_length(n: int, max_len: int) -> int:
     return max(n, min(b, max_len))
 
 
-def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from=None):
-    """(logits [B, V], cache, (position, layer) evaluations run)."""
-    model = nnx.merge(graphdef, nnx.State(state))
+def _extend_impl(graph: Graph, state, tokens, n_new, cache, replay=None, replay_from=None):
+    """(logits [B, V], cache): `n_new` [B] tokens appended to each row."""
+    model = nnx.merge(graph.graphdef, nnx.State(state))
     b, t = tokens.shape
     start = cache.pos
     # A row that would pass max_len is refused whole: it writes nothing in any layer, keeps
@@ -400,20 +345,19 @@ def _extend_impl(graphdef, state, tokens, n_new, cache, replay=None, replay_from
     h, layers, evals = model.extend(tokens, positions, valid, cache.layers, replay,
                                     replay_from)
     logits = jnp.where(fits[:, None], model.logits(h), jnp.nan)
-    cache = cache.replace(pos=start + n_new, overflow=cache.overflow | ~fits, layers=layers)
-    return logits, sharding.constrain_cache(model.units, cache), evals
+    cache = cache.replace(pos=start + n_new, overflow=cache.overflow | ~fits,
+                          evaluations=cache.evaluations + evals, layers=layers)
+    return logits, sharding.constrain_cache(model.units, cache)
 
 
-def _decode_impl(graphdef, state, tokens, cache):
+def _decode_impl(graph: Graph, state, tokens, cache):
     # Shaping the tokens in here, not eagerly: each eager op costs ~0.1-0.5 ms of dispatch,
     # a sizeable share of a tiny model's step.
     tokens = tokens.astype(jnp.int32).reshape(-1, 1)
-    logits, cache, _ = _extend_impl(graphdef, state, tokens,
-                                    jnp.ones(tokens.shape[:1], jnp.int32), cache)
-    return logits, cache
+    return _extend_impl(graph, state, tokens, jnp.ones(tokens.shape[:1], jnp.int32), cache)
 
 
-def _sample_loop(graphdef, state, logits, cache, key, temperature, top_p, eos, max_new, *,
+def _sample_loop(graph: Graph, state, logits, cache, key, temperature, top_p, eos, max_new, *,
                  stops: tuple, greedy: bool):
     """generate's token loop in one program (lax.while_loop): step s samples each row's
     token with fold_in(key, s) as `sample` does, appends it unless the row is done or it is
@@ -440,7 +384,7 @@ def _sample_loop(graphdef, state, logits, cache, key, temperature, top_p, eos, m
             stopped |= (n >= len(seq)) & jnp.all(tail == jnp.array(seq, jnp.int32), axis=1)
         done = done | hit_eos | (take & stopped)
         go = (step + 1 < max_new) & ~jnp.all(done)
-        logits, cache = jax.lax.cond(go, lambda: _decode_impl(graphdef, state, nxt, cache),
+        logits, cache = jax.lax.cond(go, lambda: _decode_impl(graph, state, nxt, cache),
                                      lambda: (logits, cache))
         return step + 1, logits, cache, out, n, done
 
@@ -452,6 +396,18 @@ def _sample_loop(graphdef, state, logits, cache, key, temperature, top_p, eos, m
              jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
     _, _, cache, out, n, _ = jax.lax.while_loop(more, body, start)
     return out, n, cache
+
+
+# The compiled programs, shared by every engine of one model structure (the graph is
+# static); public for lowering (dsattn.bench.lower). Their cache argument is donated.
+# prefill_program(graph, state, tokens [B, T], n_new [B], cache, replay, replay_from)
+prefill_program = jax.jit(_extend_impl, static_argnums=(0, 5), donate_argnums=4)
+# decode_program(graph, state, tokens [B], cache)
+decode_program = jax.jit(_decode_impl, static_argnums=0, donate_argnums=3)
+# sample_loop_program(graph, state, logits, cache, key, temperature, top_p, eos, max_new, *,
+# stops, greedy) -> (tokens [B, max_len], counts [B], cache): generate's token loop.
+sample_loop_program = jax.jit(_sample_loop, static_argnums=0, donate_argnums=3,
+                              static_argnames=("stops", "greedy"))
 
 
 def split_pools(state: DecodeState, groups: int) -> DecodeState:

@@ -4,12 +4,14 @@ and `extend` over an explicit cache pytree (prefill and decode, driven by dsattn
 """
 
 import dataclasses
+import functools
+from functools import partial
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from dsattn import plan, sharding
 from dsattn.attention import blocks, selectors, sources
@@ -35,6 +37,7 @@ def make_attention(cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
     return ATTENTION[spec.kind.family](cfg, spec, rngs)
 
 
+@functools.cache  # one policy object per name: models of one config get equal graphdefs
 def remat_policy(name: str):
     """`model.remat` as a jax.checkpoint policy: None for none (no remat). Every policy also
     keeps the indexers' selections (small integer arrays): recomputing one would rerun the
@@ -58,18 +61,38 @@ def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
                          f"[0, {vocab_size})")
 
 
-@struct.dataclass
+@partial(jax.tree_util.register_dataclass,
+         data_fields=("pos", "overflow", "evaluations", "layers"), meta_fields=("max_len",),
+         drop_fields=("host_pos",))
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """What cached generation carries between calls: each row's next position, which rows
     a compiled step refused because they would pass `max_len` (sticky; see
-    generate.check_cache), and the layers' caches: one per unit (plan.units), a scanned
-    group's as a tuple over its group's positions, each stacked over the copies
-    (`layer_caches` gives one per layer). `max_len` is static (not a leaf)."""
+    generate.check_cache), each row's (position, layer) evaluations so far, and the layers'
+    caches: one per unit (plan.units), a scanned group's as a tuple over its group's
+    positions, each stacked over the copies (`layer_caches` gives one per layer). `max_len`
+    is static (not a leaf).
+
+    `host_pos` is `pos` as the host already knows it (a read-only numpy copy), so a
+    capacity check needs no device read; it is not part of the pytree: whatever a jax
+    transformation returns has None there (unknown: read `pos` when needed), and `replace`
+    with a new `pos` drops it unless given."""
 
     pos: jax.Array  # int32 [B]
     overflow: jax.Array  # bool [B]
+    evaluations: jax.Array  # int32 [B]
     layers: tuple[LayerCache | tuple[LayerCache, ...], ...]
-    max_len: int = struct.field(pytree_node=False)
+    max_len: int
+    host_pos: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def replace(self, **changes) -> "DecodeState":
+        if "pos" in changes:
+            changes.setdefault("host_pos", None)
+        if changes.get("host_pos") is not None:
+            host = np.array(changes["host_pos"], np.int32)
+            host.setflags(write=False)
+            changes["host_pos"] = host
+        return dataclasses.replace(self, **changes)
 
 
 class Block(nnx.Module):
@@ -247,10 +270,12 @@ class Transformer(nnx.Module):
         """An empty decode state for `batch` rows of up to `max_len` positions (default:
         `model.max_seq_len`)."""
         max_len = self.cfg.model.max_seq_len if max_len is None else max_len
-        return DecodeState(pos=jnp.zeros((batch,), jnp.int32),
-                           overflow=jnp.zeros((batch,), jnp.bool_),
-                           layers=tuple(b.init_cache(batch, max_len) for b in self.blocks),
-                           max_len=max_len)
+        state = DecodeState(pos=jnp.zeros((batch,), jnp.int32),
+                            overflow=jnp.zeros((batch,), jnp.bool_),
+                            evaluations=jnp.zeros((batch,), jnp.int32),
+                            layers=tuple(b.init_cache(batch, max_len) for b in self.blocks),
+                            max_len=max_len)
+        return state.replace(host_pos=np.zeros((batch,), np.int32))
 
     def extend(self, tokens, positions, valid, layer_caches, replay: int | None = None,
                replay_from=None):
@@ -270,7 +295,7 @@ class Transformer(nnx.Module):
         split = self.cfg.attention.ced_split
         x = _rows(self.embedding(tokens))
         ctx = CachedContext()
-        new, evals = [], jnp.int32(0)
+        new, evals = [], jnp.zeros(tokens.shape[:1], jnp.int32)
         for unit, block, cache in zip(self.units, self.blocks, layer_caches):
             if split and unit.start == split:
                 ctx = CachedContext(encoder_out=Stream(x, positions, valid))
@@ -278,7 +303,7 @@ class Transformer(nnx.Module):
                     x, positions, valid = _last_positions(x, positions, valid, replay,
                                                           replay_from)
             x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
-            evals = evals + len(unit.layers) * jnp.sum(valid, dtype=jnp.int32)
+            evals = evals + len(unit.layers) * jnp.sum(valid, axis=-1, dtype=jnp.int32)
             new.append(cache)
         last = jnp.maximum(jnp.sum(valid, -1) - 1, 0)
         h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]

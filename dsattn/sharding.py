@@ -268,7 +268,7 @@ def cache_specs(units, state, mesh: Mesh):
 
         return jax.tree.map(part, cache, is_leaf=is_container)
 
-    return state.replace(pos=P(rows), overflow=P(rows),
+    return state.replace(pos=P(rows), overflow=P(rows), evaluations=P(rows),
                          layers=tuple(layer(u, c) for u, c in zip(units, state.layers)))
 
 

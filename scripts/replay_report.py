@@ -44,7 +44,7 @@ def prefill_logits(engine, tokens, replay):
     b, t = tokens.shape
     cache = engine.init_cache(b, t)
     logits, cache = engine.prefill(tokens, [t] * b, cache, replay=replay)
-    return np.asarray(logits, np.float64), engine.evaluations(cache)
+    return np.asarray(logits, np.float64), generate.evaluations(cache)
 
 
 def deviation(exact, other):

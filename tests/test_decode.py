@@ -97,7 +97,7 @@ def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
         for s in range(4):
             logits, cache = generate.decode_step(model, toks[np.arange(3), lengths + s], cache)
             out.append(np.asarray(logits))
-        runs.append((np.stack(out), generate.engine(model).evaluations(cache)))
+        runs.append((np.stack(out), generate.evaluations(cache)))
     np.testing.assert_allclose(runs[0][0], runs[1][0], atol=1e-9)
     assert runs[0][1] == runs[1][1]
     if replay:  # the decoder ran over exactly R prompt positions per row, then 4 steps

@@ -1,8 +1,5 @@
-"""generate.Engine: a model split once, with its own programs and the record of the caches it
-produced (host row positions, evaluation counts, decode compilations)."""
-
-import gc
-import weakref
+"""generate.Engine: a model as a value (graph, weights, optional mesh) whose programs are
+shared by every engine of one model structure; host positions travel with the cache."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +9,7 @@ from flax import nnx
 
 from dsattn import generate
 from dsattn.bench.compiles import compilations
-from dsattn.errors import CacheExhausted, InputError
+from dsattn.errors import CacheExhausted
 from dsattn.model import Transformer
 from tests.helpers import preset, tiny_model
 
@@ -22,64 +19,85 @@ V41 = ("v41", "model.n_layers=2", "attention.layers=full, full", "attention.rati
        "attention.ced_split=1")
 
 
-def test_engine_decodes_like_the_module_functions_and_compiles_decode_once():
+def _decode(step, model, toks, lengths, steps=6):
+    logits, cache = generate.prefill(model, toks[:, :5], lengths,
+                                     generate.init_cache(model, 2, 16))
+    out = [np.asarray(logits)]
+    for s in range(steps):
+        logits, cache = step(jnp.asarray(toks[:, 5 + s]), cache)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+def _counted(step, counts):  # the programs each decode step compiles
+    def run(*args):
+        with compilations() as c:
+            out = step(*args)
+        counts.append(c.n)
+        return out
+    return run
+
+
+def test_engines_of_one_structure_share_their_programs():
     model = tiny_model(*MLA)
     toks = np.random.RandomState(0).randint(0, 256, (2, 16))
     lengths = np.array([5, 3])
-    shared = generate.engine(model)
-    assert generate.engine(model) is shared and generate.engine(shared) is shared
-
-    def decode(step, steps=6):
-        logits, cache = generate.prefill(model, toks[:, :5], lengths,
-                                         generate.init_cache(model, 2, 16))
-        out = [np.asarray(logits)]
-        for s in range(steps):
-            logits, cache = step(jnp.asarray(toks[:, 5 + s]), cache)
-            out.append(np.asarray(logits))
-        return np.stack(out), cache
-
-    def counted(step, counts):  # the programs each decode step compiles
-        def run(*args):
-            with compilations() as c:
-                out = step(*args)
-            counts.append(c.n)
-            return out
-        return run
-
-    expected, _ = decode(lambda *a: generate.decode_step(model, *a))
-    # The module functions and engine(model) share one engine: nothing compiles again.
-    again_counts, eng_counts = [], []
-    again, _ = decode(counted(shared.decode_step, again_counts))
-    assert sum(again_counts) == 0
-    np.testing.assert_array_equal(again, expected)
-    # A new Engine compiles its own decode program, once for all its steps (and reads the
-    # positions of a cache it did not produce once).
-    eng = generate.Engine(model)
-    got, cache = decode(counted(eng.decode_step, eng_counts))
-    np.testing.assert_array_equal(got, expected)
-    assert eng_counts == [1, 0, 0, 0, 0, 0]
-    np.testing.assert_array_equal(np.asarray(cache.pos), lengths + 6)
+    first_counts = []
+    expected, _ = _decode(_counted(generate.Engine(model).decode_step, first_counts), model,
+                          toks, lengths)
+    assert first_counts == [1, 0, 0, 0, 0, 0]  # decode compiles once for all its steps
+    # Another engine of the model, the module functions (an engine per call), and an engine
+    # of another model of the same config compile nothing again.
+    twin = Transformer(model.cfg, rngs=nnx.Rngs(7))
+    for step, of in ((generate.Engine(model).decode_step, model),
+                     (lambda *a: generate.decode_step(model, *a), model),
+                     (generate.Engine(twin).decode_step, twin)):
+        counts = []
+        got, cache = _decode(_counted(step, counts), of, toks, lengths)
+        assert sum(counts) == 0
+        if of is model:
+            np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(np.asarray(cache.pos), lengths + 6)
 
 
 def test_host_position_check_refuses_without_reading_or_touching_the_cache(monkeypatch):
     model = tiny_model(*MLA)
     toks = np.random.RandomState(1).randint(0, 256, (2, 16))
-    eng = generate.engine(model)
+    eng = generate.Engine(model)
     _, cache = eng.prefill(toks, [16, 4], eng.init_cache(2, 16))
     snap = jax.tree.map(np.array, cache)
     reads = []
     real = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or real(x))
     tok = jnp.asarray([1, 2])
-    for _ in range(2):
+    for e in (eng, generate.Engine(model)):  # the positions travel with the cache
         with pytest.raises(CacheExhausted, match="decode_step: row 0 reached max_len=16"):
-            eng.decode_step(tok, cache)
-    assert reads == []  # the engine knew the positions: no device read
+            e.decode_step(tok, cache)
+    assert reads == []  # no device read
+    # A cache that went through a jax transformation lost them: read once.
     with pytest.raises(CacheExhausted, match="row 0 reached max_len=16"):
-        generate.Engine(model).decode_step(tok, cache)  # another engine reads them once
+        eng.decode_step(tok, jax.tree.map(lambda x: x, cache))
     assert len(reads) == 1
     assert not cache.pos.is_deleted()  # not donated: nothing ran
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, cache), snap)
+
+
+def test_host_positions_follow_prefill_and_decode():
+    model = tiny_model(*MLA)
+    toks = np.random.RandomState(3).randint(0, 256, (2, 16))
+    eng = generate.Engine(model)
+    cache = eng.init_cache(2, 16)
+    np.testing.assert_array_equal(cache.host_pos, [0, 0])
+    _, cache = eng.prefill(toks[:, :7], [7, 2], cache)
+    np.testing.assert_array_equal(cache.host_pos, [7, 2])
+    _, cache = eng.decode_step(jnp.asarray([1, 2]), cache)
+    np.testing.assert_array_equal(cache.host_pos, np.asarray(cache.pos))
+    np.testing.assert_array_equal(cache.host_pos, [8, 3])
+    with pytest.raises(ValueError):  # read-only: it describes the device positions
+        cache.host_pos[0] = 0
+    moved = cache.replace(pos=cache.pos + 1)
+    assert moved.host_pos is None  # a new pos without its host copy: unknown, read once
+    assert generate.host_positions(moved).tolist() == [9, 4]
 
 
 def test_replay_prefill_evaluation_count():
@@ -88,26 +106,34 @@ def test_replay_prefill_evaluation_count():
     enc, dec = a.ced_split, model.cfg.model.n_layers - a.ced_split
     toks = np.random.RandomState(2).randint(0, 256, (2, 16))
     lengths = [12, 9]
-    eng = generate.engine(model)
+    eng = generate.Engine(model)
     _, cache = eng.prefill(toks[:, :12], lengths, eng.init_cache(2, 16), replay=4)
     # (Exact prefill: test_v41's test_replay_evaluation_count; decode steps adding every row
     # in every layer: test_decode's test_prefill_in_chunks_equals_one_chunk.)
-    assert eng.evaluations(cache) == enc * sum(lengths) + dec * 2 * 4
-    with pytest.raises(InputError, match="did not produce this cache"):
-        generate.Engine(model).evaluations(cache)
+    assert generate.evaluations(cache) == enc * sum(lengths) + dec * 2 * 4
+    np.testing.assert_array_equal(np.asarray(cache.evaluations),
+                                  enc * np.array(lengths) + dec * 4)
+    _, cache = eng.decode_step(jnp.asarray([1, 2]), cache)
+    assert generate.evaluations(cache) == enc * sum(lengths) + dec * 2 * 4 + 2 * (enc + dec)
 
 
-def test_module_engine_goes_with_the_model_and_sees_new_weights():
+def test_an_engine_keeps_its_weights_and_a_new_one_sees_updates():
     model = Transformer(preset("mla", "model.n_layers=1", "model.dtype=float64"),
                         rngs=nnx.Rngs(1))
-    eng = generate.engine(model)
-    state = eng.state
-    assert generate.engine(model) is eng and eng.state is state  # unchanged: nothing re-read
+    toks = np.random.RandomState(4).randint(0, 256, (1, 6))
+
+    def last_logits(eng_or_model):
+        eng = generate.engine(eng_or_model)
+        logits, _ = eng.prefill(toks, None, eng.init_cache(1, 16))
+        return np.asarray(logits)
+
+    old = generate.Engine(model)
+    before = last_logits(old)
     emb = next(v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
     emb.set_value(emb.get_value() * 2)  # in place, as an optimizer step or nnx.update does
-    assert generate.engine(model) is eng and eng.state is not state
-    assert any(leaf is emb.get_raw_value() for leaf in jax.tree.leaves(eng.state))
-    ref = weakref.ref(eng)
-    del model, eng, emb
-    gc.collect()
-    assert ref() is None
+    np.testing.assert_array_equal(last_logits(old), before)  # a value: its snapshot
+    after = last_logits(model)  # the module functions: an engine of the current weights
+    assert np.abs(after - before).max() > 1e-3
+    with compilations() as c:
+        np.testing.assert_array_equal(last_logits(generate.Engine(model)), after)
+    assert c.n == 0

@@ -165,9 +165,9 @@ def test_replay_evaluation_count():
     lengths = [48, 35]
     _, cache = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64),
                                 replay=True)
-    assert generate.engine(model).evaluations(cache) == enc * sum(lengths) + dec * 2 * w
+    assert generate.evaluations(cache) == enc * sum(lengths) + dec * 2 * w
     _, cache = generate.prefill(model, toks, lengths, generate.init_cache(model, 2, 64))
-    assert generate.engine(model).evaluations(cache) == (enc + dec) * sum(lengths)
+    assert generate.evaluations(cache) == (enc + dec) * sum(lengths)
 
 
 def test_replay_is_refused_without_ced():

@@ -53,11 +53,12 @@ def lowered(cfg, batch: int, max_len: int, chunk: int | None = None):
     eng = abstract_engine(cfg)
     cache = jax.eval_shape(lambda: eng.init_cache(batch, max_len))
     if chunk is None:
-        return eng.decode_fn.lower(eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32),
-                                   cache), cache
+        return generate.decode_program.lower(
+            eng.graph, eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache), cache
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
     n_new = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return eng.prefill_fn.lower(eng.state, tokens, n_new, cache, None, None), cache
+    return generate.prefill_program.lower(eng.graph, eng.state, tokens, n_new, cache, None,
+                                          None), cache
 
 
 def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,

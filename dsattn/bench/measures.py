@@ -74,7 +74,10 @@ def synthetic_context(model: Transformer, cache, n: int, seed: int = 0):
     fill = lambda c, stride: c.filled(n, stride, rand) if is_container(c) else c  # noqa: E731
     layers = [jax.tree.map(lambda c, s=spec: fill(c, s.stride), lc, is_leaf=is_container)
               for spec, lc in zip(plan.resolve(model.cfg), layer_caches(model.cfg, cache))]
-    out = with_layer_caches(model.cfg, cache.replace(pos=jnp.full((b,), n, jnp.int32)), layers)
+    # Positions and evaluation counts as an exact prefill of n tokens leaves them.
+    done = cache.replace(pos=jnp.full((b,), n, jnp.int32), host_pos=np.full((b,), n),
+                         evaluations=jnp.full((b,), n * model.cfg.model.n_layers, jnp.int32))
+    out = with_layer_caches(model.cfg, done, layers)
     generate.check_cache(out)
     return out
 
@@ -192,7 +195,7 @@ def time_prefill(model: Transformer, n: int, replay=None,
     seconds = time.perf_counter() - t0
     peak = _rss_bytes("VmHWM") - base if ok else None
     return {"seconds": seconds, "tokens_per_s": n / seconds, "peak_rss_bytes": peak,
-            "evaluations": eng.evaluations(cache)}
+            "evaluations": generate.evaluations(cache)}
 
 
 def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
