@@ -205,3 +205,29 @@ def test_signed_zero_scores_are_ties():
     score = jnp.asarray([[[-0.0, 0.0, -0.0, 0.0, -1.0]]])
     idx, ok = indexer.select(score, jnp.ones(score.shape, bool), 2)
     np.testing.assert_array_equal(idx[0, 0], [0, 1])
+
+
+def test_dense_reads_by_causal_segments_equal_one_segment(monkeypatch):
+    """HCA's read of every complete entry runs its query blocks in causal segments, each
+    over the items complete before its end: the same forward and gradients as every block
+    reading all items (the skipped ones are masked for all the segment's queries)."""
+    from dsattn.attention import reads
+
+    cfg = preset("v4", "model.dtype=float64", "attention.layers=hca", "model.n_layers=1",
+                 "attention.hca_ratio=2", "attention.window=2", "attention.query_block=7",
+                 "model.scan_layers=false")
+    attn = Transformer(cfg, rngs=nnx.Rngs(3)).blocks[0].attn
+    x = jax.random.normal(jax.random.key(0), (2, T, cfg.model.d_model), jnp.float64)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    graphdef, state = nnx.split(attn)
+
+    def f(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, positions)[0] ** 2)
+
+    assert len(reads.segments(T, 7, reads.CAUSAL_SEGMENTS)) == 4  # 7 blocks in 4 segments
+    y, g = jax.value_and_grad(f)(state, x)
+    monkeypatch.setattr(reads, "CAUSAL_SEGMENTS", 1)
+    y_all, g_all = jax.value_and_grad(f)(state, x)
+    np.testing.assert_allclose(y, y_all, rtol=1e-12)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
+                 g, g_all)

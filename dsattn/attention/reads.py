@@ -76,6 +76,21 @@ class KLTarget:
     w: jax.Array
 
 
+# The training forward's dense reads (HCA, the dense warm-up) run their query blocks in this
+# many segments, each reading only the items complete before its last query: causally
+# masked work skipped, (n + 1) / 2n of it left for n equal segments (5/8 for 4), at one
+# compiled block body per segment.
+CAUSAL_SEGMENTS = 4
+
+
+def segments(t: int, size: int, count: int) -> list[tuple[int, int]]:
+    """[start, end) query ranges of whole blocks of `size`, at most `count`, covering T."""
+    n_blk = -(-t // size)
+    count = max(1, min(count, n_blk))
+    edges = [min(t, (i * n_blk // count) * size) for i in range(count)] + [t]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read, dtype,
                   target: KLTarget | None = None):
     """Attention over query blocks of ``size``.
@@ -87,6 +102,10 @@ def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read
     block or [B, Tq, S, w] per query), or None when the layer reads no global items; ``mass``
     is the attention probability on each of them summed over heads. Returns (out [B, T, ...],
     the indexer's KL loss or None).
+
+    A dense read of the training forward's own items (`Entries`: query t is position t)
+    runs in `CAUSAL_SEGMENTS` segments of query blocks, each over the items complete before
+    its end only (items after it are masked for every query of the segment).
     """
     everything = None
     dense = isinstance(read, Visible) or (isinstance(read, Picked)
@@ -98,10 +117,10 @@ def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read
     picks = (read.selection.idx, read.selection.ok) if isinstance(read, Picked) else ()
     tq = (target.q, target.w) if target is not None else ()
 
-    def items_all(pos):
-        vals, stored = everything[:2]
+    def items_all(pos, limit):
+        vals, stored = (a[:, :limit] for a in everything[:2])
         return vals, stored[:, None, :] & visible(pos, read.stride, vals.shape[1]), \
-            everything[2] if target is not None else None
+            everything[2][:, :limit] if target is not None else None
 
     def items_picked(pos, idx, ok):
         vals, got = read.store.gather("entry", idx, dtype)
@@ -121,19 +140,34 @@ def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read
                  else indexer.gathered_scores(iq, w, keys))
         return out, indexer.kl_terms(score, mass, mask & ok_rows[..., None])
 
-    def body(start, blk):
+    def body(start, blk, limit):
         (_, pos, _), picks_blk, _ = blk
         if read is None:
             return one(start, blk, None)
         if isinstance(read, Visible):
-            return one(start, blk, items_all(pos))
+            return one(start, blk, items_all(pos, limit))
         picked = lambda: one(start, blk, items_picked(pos, *picks_blk))  # noqa: E731
         if read.selection.dense is None:
             return picked()
-        return jax.lax.cond(read.selection.dense, lambda: one(start, blk, items_all(pos)),
+        return jax.lax.cond(read.selection.dense, lambda: one(start, blk, items_all(pos, limit)),
                             picked)
 
-    out, sums = blocks.map_queries(body, size, ((per_query, positions, valid), picks, tq))
+    per_block = ((per_query, positions, valid), picks, tq)
+    t = positions.shape[1]
+    parts = [(0, t)]
+    if dense and isinstance(read.store, Entries):
+        parts = segments(t, size, CAUSAL_SEGMENTS)
+    outs, sums = [], None
+    for lo, hi in parts:
+        # items complete before position hi (at least one: no empty arrays)
+        limit = (max(1, hi // read.stride) if dense and len(parts) > 1
+                 else None)
+        out, part_sums = blocks.map_queries(
+            lambda start, blk, lo=lo, limit=limit: body(lo + start, blk, limit), size,
+            jax.tree.map(lambda a, lo=lo, hi=hi: a[:, lo:hi], per_block))
+        outs.append(out)
+        sums = part_sums if sums is None else jax.tree.map(jnp.add, sums, part_sums)
+    out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *o: jnp.concatenate(o, 1), *outs)
     if target is None or read is None:
         return out, None
     total, count = sums
