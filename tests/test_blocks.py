@@ -207,27 +207,42 @@ def test_signed_zero_scores_are_ties():
     np.testing.assert_array_equal(idx[0, 0], [0, 1])
 
 
-def test_dense_reads_by_causal_segments_equal_one_segment(monkeypatch):
-    """HCA's read of every complete entry runs its query blocks in causal segments, each
-    over the items complete before its end: the same forward and gradients as every block
-    reading all items (the skipped ones are masked for all the segment's queries)."""
-    from dsattn.attention import reads
+SEGMENTED = {  # presets whose training forward reads by causal segments, small shapes
+    "hca": ("v4", "attention.layers=hca", "model.n_layers=1", "attention.hca_ratio=2",
+            "attention.window=2"),
+    "csa": ("v4", "attention.layers=csa", "model.n_layers=1", "attention.csa_ratio=2",
+            "attention.top_k=5", "attention.window=2", "indexer.dense_warmup_steps=0"),
+    "csa_warmup": ("v4", "attention.layers=csa", "model.n_layers=1", "attention.csa_ratio=2",
+                   "attention.top_k=5", "attention.window=2"),
+    "v41": ("v41", "attention.top_k=5", "attention.window=2", "indexer.dense_warmup_steps=0"),
+    "dsa": ("dsa", "model.n_layers=1", "attention.top_k=9", "indexer.dense_warmup_steps=0"),
+    "mha": ("mha", "model.n_layers=1"),
+    "gqa": ("gqa", "model.n_layers=1"),
+    "mla": ("mla", "model.n_layers=1"),
+}
 
-    cfg = preset("v4", "model.dtype=float64", "attention.layers=hca", "model.n_layers=1",
-                 "attention.hca_ratio=2", "attention.window=2", "attention.query_block=7",
-                 "model.scan_layers=false")
-    attn = Transformer(cfg, rngs=nnx.Rngs(3)).blocks[0].attn
-    x = jax.random.normal(jax.random.key(0), (2, T, cfg.model.d_model), jnp.float64)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
-    graphdef, state = nnx.split(attn)
 
-    def f(state, x):
-        return jnp.sum(nnx.merge(graphdef, state)(x, positions)[0] ** 2)
+@pytest.mark.parametrize("name", sorted(SEGMENTED))
+def test_causal_segments_equal_one_segment(name, monkeypatch):
+    """The training forward runs its query blocks in causal segments, each reading only what
+    is complete before its end (dense reads of entries, the indexer's scoring, MHA/MLA's
+    keys): the same loss and gradients as every block reading everything, in float64. 49
+    tokens in blocks of 7: 4 segments, the first ending before top_k entries exist."""
+    from dsattn.attention import blocks
 
-    assert len(reads.segments(T, 7, reads.CAUSAL_SEGMENTS)) == 4  # 7 blocks in 4 segments
-    y, g = jax.value_and_grad(f)(state, x)
-    monkeypatch.setattr(reads, "CAUSAL_SEGMENTS", 1)
-    y_all, g_all = jax.value_and_grad(f)(state, x)
+    cfg = preset(SEGMENTED[name][0], "model.dtype=float64", "attention.query_block=7",
+                 "model.scan_layers=false", *SEGMENTED[name][1:])
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(3)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 49), 0, cfg.model.vocab_size)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+
+    def f(state):
+        return train.loss_fn(nnx.merge(graphdef, state), batch, jnp.int32(0))[0]
+
+    assert len(blocks.segments(49, 7, blocks.CAUSAL_SEGMENTS)) == 4
+    y, g = jax.value_and_grad(f)(state)
+    monkeypatch.setattr(blocks, "CAUSAL_SEGMENTS", 1)
+    y_all, g_all = jax.value_and_grad(f)(state)
     np.testing.assert_allclose(y, y_all, rtol=1e-12)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
                  g, g_all)

@@ -7,6 +7,10 @@ body per block under `lax.map` and joins the outputs. The body is checkpointed: 
 autodiff a block's intermediates (scores, probabilities, gathered entries) are recomputed in
 the backward pass instead of kept for every block, so a training step holds one block's.
 A sequence of at most one block runs the body directly (decode, short training sequences).
+
+`map_causal` runs the training forward's blocks in a few causal segments, each reading only
+what is complete before its end (query t is position t there), so the work causal masking
+would throw away is mostly never done.
 """
 
 from __future__ import annotations
@@ -42,3 +46,35 @@ def map_queries(body, size: int, per_query, policy=None):
     outs, sums = jax.lax.map(lambda xs: one(*xs),
                              (jnp.arange(n_blk, dtype=jnp.int32), jax.tree.map(split, per_query)))
     return jax.tree.map(join, outs), jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
+
+
+# A training forward's query block reads nothing past its last position, yet one compiled
+# block body must read as far as the last block does. Running the blocks in a few segments,
+# each reading only what precedes its end, leaves (n + 1) / 2n of that work for n equal
+# segments (5/8 for 4), at one compiled block body per segment.
+CAUSAL_SEGMENTS = 4
+
+
+def segments(t: int, size: int, count: int) -> list[tuple[int, int]]:
+    """[start, end) query ranges of whole blocks of `size`, at most `count`, covering T."""
+    n_blk = -(-t // size)
+    count = max(1, min(count, n_blk))
+    edges = [min(t, (i * n_blk // count) * size) for i in range(count)] + [t]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def map_causal(body, size: int, per_query, policy=None):
+    """`map_queries` for a training forward (query t at position t), in `CAUSAL_SEGMENTS`
+    segments of whole blocks: ``body(start, block, end)`` gets its segment's end (a static
+    int), past which no query of the block reads anything."""
+    t = jax.tree.leaves(per_query)[0].shape[1]
+    outs, sums = [], None
+    for lo, hi in segments(t, size, CAUSAL_SEGMENTS):
+        out, part = map_queries(lambda start, blk, lo=lo, hi=hi: body(lo + start, blk, hi),
+                                size, jax.tree.map(lambda a, lo=lo, hi=hi: a[:, lo:hi],
+                                                   per_query), policy)
+        outs.append(out)
+        sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+    if len(outs) == 1:
+        return outs[0], sums
+    return jax.tree.map(lambda *o: jnp.concatenate(o, 1), *outs), sums

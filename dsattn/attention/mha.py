@@ -63,17 +63,19 @@ class MHA(nnx.Module):
         return self.wo(o.reshape(b, tq, self.n_heads * self.head_dim))
 
     def __call__(self, x, positions, step=None, ctx=None):
-        """Teacher-forced causal attention over x [B, T, D], by query blocks against every
-        key (attention/blocks.py): O(T·query_block) scores live, as the V4 family's."""
+        """Teacher-forced causal attention over x [B, T, D], by query blocks against the
+        keys before their causal segment's end (attention/blocks.py): O(T·query_block) scores
+        live, as the V4 family's."""
         q, k, v = self._qkv(x, positions)
         k, v = (formats.as_stored(self.fmt, t, 0, self.fake_quant) for t in (k, v))
         k, v = (jnp.swapaxes(a, 1, 2) for a in (k, v))  # [B, G, T, d]
 
-        def one(start, blk):
+        def one(start, blk, end):  # keys before the causal segment's end
             q_blk, pos = blk
-            return self._attend(q_blk, [(k, v, causal_mask(pos, positions))]), ()
+            return self._attend(q_blk, [(k[:, :, :end], v[:, :, :end],
+                                         causal_mask(pos, positions[:, :end]))]), ()
 
-        return blocks.map_queries(one, self.query_block, (q, positions))[0], {}, ctx
+        return blocks.map_causal(one, self.query_block, (q, positions))[0], {}, ctx
 
     # -- cached path ------------------------------------------------------------------
     # Head-major cache [B, G, L, d]: each head's keys are one contiguous [L, d] matrix, so

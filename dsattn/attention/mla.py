@@ -130,12 +130,14 @@ class MLA(nnx.Module):
         lat = formats.as_stored(self.fmt, lat, self.dr, self.fake_quant)
         kv = self.expand(lat)  # once; each query block reads it (attention/blocks.py)
 
-        def one(start, blk):
+        def one(start, blk, end):  # keys before the causal segment's end
             qn, qp, pos = blk
-            p = masked_softmax(self.naive_scores(qn, qp, lat, kv), causal_mask(pos, positions))
-            return self.naive_output(p, lat, kv), ()
+            kv_seen = jax.tree.map(lambda a: a[:, :end], kv)
+            p = masked_softmax(self.naive_scores(qn, qp, None, kv_seen),
+                               causal_mask(pos, positions[:, :end]))
+            return self.naive_output(p, None, kv_seen), ()
 
-        return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0], {}, ctx
+        return blocks.map_causal(one, self.query_block, (q_nope, q_pe, positions))[0], {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return MLACache(contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,

@@ -76,21 +76,6 @@ class KLTarget:
     w: jax.Array
 
 
-# The training forward's dense reads (HCA, the dense warm-up) run their query blocks in this
-# many segments, each reading only the items complete before its last query: causally
-# masked work skipped, (n + 1) / 2n of it left for n equal segments (5/8 for 4), at one
-# compiled block body per segment.
-CAUSAL_SEGMENTS = 4
-
-
-def segments(t: int, size: int, count: int) -> list[tuple[int, int]]:
-    """[start, end) query ranges of whole blocks of `size`, at most `count`, covering T."""
-    n_blk = -(-t // size)
-    count = max(1, min(count, n_blk))
-    edges = [min(t, (i * n_blk // count) * size) for i in range(count)] + [t]
-    return list(zip(edges[:-1], edges[1:]))
-
-
 def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read, dtype,
                   target: KLTarget | None = None):
     """Attention over query blocks of ``size``.
@@ -104,8 +89,8 @@ def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read
     the indexer's KL loss or None).
 
     A dense read of the training forward's own items (`Entries`: query t is position t)
-    runs in `CAUSAL_SEGMENTS` segments of query blocks, each over the items complete before
-    its end only (items after it are masked for every query of the segment).
+    runs in causal segments of query blocks (`blocks.map_causal`), each over the items
+    complete before its end only (items after it are masked for every query of it).
     """
     everything = None
     dense = isinstance(read, Visible) or (isinstance(read, Picked)
@@ -153,21 +138,14 @@ def attend_blocks(attend: Callable, size: int, per_query, positions, valid, read
                             picked)
 
     per_block = ((per_query, positions, valid), picks, tq)
-    t = positions.shape[1]
-    parts = [(0, t)]
     if dense and isinstance(read.store, Entries):
-        parts = segments(t, size, CAUSAL_SEGMENTS)
-    outs, sums = [], None
-    for lo, hi in parts:
-        # items complete before position hi (at least one: no empty arrays)
-        limit = (max(1, hi // read.stride) if dense and len(parts) > 1
-                 else None)
-        out, part_sums = blocks.map_queries(
-            lambda start, blk, lo=lo, limit=limit: body(lo + start, blk, limit), size,
-            jax.tree.map(lambda a, lo=lo, hi=hi: a[:, lo:hi], per_block))
-        outs.append(out)
-        sums = part_sums if sums is None else jax.tree.map(jnp.add, sums, part_sums)
-    out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *o: jnp.concatenate(o, 1), *outs)
+        # items complete before the segment's end (at least one: no empty arrays)
+        out, sums = blocks.map_causal(
+            lambda start, blk, end: body(start, blk, max(1, end // read.stride)), size,
+            per_block)
+    else:
+        out, sums = blocks.map_queries(lambda start, blk: body(start, blk, None), size,
+                                       per_block)
     if target is None or read is None:
         return out, None
     total, count = sums

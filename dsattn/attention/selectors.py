@@ -97,7 +97,7 @@ class IndexerSelector(nnx.Module):
             return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
         if impl in KERNELS:  # the compiled score pass over the pages, a query block at a time
-            def scored(iq, w, nv):
+            def scored(iq, w, nv, end):
                 out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
                                            block_max=block_max)
                 score, maxima = out if block_max else (out, None)
@@ -106,19 +106,32 @@ class IndexerSelector(nnx.Module):
         else:
             keys, stored = store.read_all("key", dtype)
 
-            def scored(iq, w, nv):
-                return indexer.top_k(iq, w, keys, stored, nv, self.top_k, self.key_block,
-                                     self.method, block_max, self.query_block)
+            def scored(iq, w, nv, end):
+                n = keys.shape[1]
+                if end is not None:  # the keys before the causal segment's end, at least k
+                    n = min(n, max(end // self.stride, self.top_k, 1))
+                idx, ok, maxima = indexer.top_k(iq, w, keys[:, :n], stored[:, :n], nv,
+                                                self.top_k, self.key_block, self.method,
+                                                block_max, self.query_block)
+                if block_max:  # the blocks past the segment hold no candidate
+                    missing = -(-keys.shape[1] // block_max) - maxima.shape[-1]
+                    maxima = jnp.pad(maxima, [(0, 0), (0, 0), (0, missing)],
+                                     constant_values=-jnp.inf)
+                return idx, ok, maxima
 
-        def one(start, blk):
-            idx, ok, maxima = scored(*blk)
+        def one(start, blk, end=None):
+            idx, ok, maxima = scored(*blk, end)
             pool = None
             if block_max:  # the pool ranks blocks by their maxima
                 pool = Selection(*indexer.candidate_pool(maxima, blk[2], self.pool_block,
                                                          self.pool_blocks))
             return (Selection(idx, ok), pool), ()
 
-        (sel, pool), _ = blocks.map_queries(one, self.query_block, (iq, w, n_vis))
+        per_query = (iq, w, n_vis)
+        if isinstance(store, reads.Entries) and impl not in KERNELS:  # training forward
+            (sel, pool), _ = blocks.map_causal(one, self.query_block, per_query)
+        else:
+            (sel, pool), _ = blocks.map_queries(one, self.query_block, per_query)
         # kept, not recomputed, by a rematerialised backward pass (model.remat_policy)
         sel, pool = checkpoint_name((sel, pool), SELECTION)
         if pool is not None:
