@@ -68,11 +68,14 @@ def map_causal(body, size: int, per_query, policy=None):
     segments of whole blocks: ``body(start, block, end)`` gets its segment's end (a static
     int), past which no query of the block reads anything."""
     t = jax.tree.leaves(per_query)[0].shape[1]
+    parts = segments(t, size, CAUSAL_SEGMENTS)
     outs, sums = [], None
-    for lo, hi in segments(t, size, CAUSAL_SEGMENTS):
-        out, part = map_queries(lambda start, blk, lo=lo, hi=hi: body(lo + start, blk, hi),
-                                size, jax.tree.map(lambda a, lo=lo, hi=hi: a[:, lo:hi],
-                                                   per_query), policy)
+    for lo, hi in parts:
+        seg = lambda start, blk, lo=lo, hi=hi: body(lo + start, blk, hi)  # noqa: E731
+        if len(parts) > 1 and hi - lo <= size:  # map_queries runs one block as it is
+            seg = jax.checkpoint(seg, prevent_cse=False, policy=policy)
+        out, part = map_queries(seg, size, jax.tree.map(lambda a, lo=lo, hi=hi: a[:, lo:hi],
+                                                        per_query), policy)
         outs.append(out)
         sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
     if len(outs) == 1:
