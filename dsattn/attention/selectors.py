@@ -96,8 +96,8 @@ class IndexerSelector(nnx.Module):
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
             return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
-        if impl in KERNELS:  # the compiled score pass over the pages, a query block at a time
-            def scored(iq, w, nv, end):
+        if impl in KERNELS:  # the compiled score pass over the pages (cached: all of them)
+            def scored(iq, w, nv, end=None):
                 out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
                                            block_max=block_max)
                 score, maxima = out if block_max else (out, None)
@@ -127,11 +127,9 @@ class IndexerSelector(nnx.Module):
                                                          self.pool_blocks))
             return (Selection(idx, ok), pool), ()
 
-        per_query = (iq, w, n_vis)
-        if isinstance(store, reads.Entries) and impl not in KERNELS:  # training forward
-            (sel, pool), _ = blocks.map_causal(one, self.query_block, per_query)
-        else:
-            (sel, pool), _ = blocks.map_queries(one, self.query_block, per_query)
+        # the training forward (its own entries, scored by xla) reads causal segments
+        by_blocks = blocks.map_causal if isinstance(store, reads.Entries) else blocks.map_queries
+        (sel, pool), _ = by_blocks(one, self.query_block, (iq, w, n_vis))
         # kept, not recomputed, by a rematerialised backward pass (model.remat_policy)
         sel, pool = checkpoint_name((sel, pool), SELECTION)
         if pool is not None:
