@@ -69,6 +69,22 @@ def test_bench_script_smoke(tmp_path):
         assert os.path.getsize(out / png) > 1000
 
 
+def test_long_context_memory_only(tmp_path):
+    """scripts/bench.py --long-context --max-step-s 0 (temporaries only, nothing timed):
+    one record per length with the compiled step's temporaries, growing with T, and the
+    plot drawn without a tokens/s curve."""
+    out = tmp_path / "lc"
+    p = run_script("bench", "--long-context", "--presets", "mha", "--lengths", "64,128",
+                   "--max-step-s", "0", "--set", "model.n_layers=1", "--out", out,
+                   cwd=tmp_path)
+    assert p.returncode == 0, p.stderr.decode()
+    rows = json.loads((out / "long_context.json").read_text())
+    assert [(r["preset"], r["seq_len"]) for r in rows] == [("mha", 64), ("mha", 128)]
+    assert 0 < rows[0]["temp_bytes"] < rows[1]["temp_bytes"]
+    assert not any("tokens_per_s" in r for r in rows)
+    assert os.path.getsize(out / "long_context.png") > 1000
+
+
 def test_per_device_cache_bytes_on_meshes():
     """scripts/bench.py --mesh: a decode state laid out on a mesh (abstract shapes) holds
     kvbytes' bytes in all; rows split over data leave each device its rows' share, a tensor

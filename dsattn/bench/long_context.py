@@ -85,16 +85,15 @@ def plot(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(r["preset"] for r in rows):
-        mine = [r for r in rows if r["preset"] == name]
-        mem.plot([r["seq_len"] for r in mine], [r["temp_bytes"] / GIB for r in mine], "o-",
-                 label=name)
-        timed = [r for r in mine if "tokens_per_s" in r]
-        speed.plot([r["seq_len"] for r in timed], [r["tokens_per_s"] for r in timed], "o-",
-                   label=name)
-    for ax, title in ((mem, "training step temporaries (GiB, compiled memory analysis)"),
-                      (speed, "training tokens/s (batch 1, 2-core CPU)")):
+    timed = any("tokens_per_s" in r for r in rows)  # --max-step-s 0: memory only
+    fig, axes = plt.subplots(1, 1 + timed, figsize=(5.5 * (1 + timed), 4.2), squeeze=False)
+    panels = [("temp_bytes", 1 / GIB, "training step temporaries (GiB, compiled memory "
+               "analysis)"), ("tokens_per_s", 1, "training tokens/s (batch 1, 2-core CPU)")]
+    for ax, (key, scale, title) in zip(axes[0], panels):
+        for name in dict.fromkeys(r["preset"] for r in rows):
+            mine = [r for r in rows if r["preset"] == name and key in r]
+            ax.plot([r["seq_len"] for r in mine], [r[key] * scale for r in mine], "o-",
+                    label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T")
