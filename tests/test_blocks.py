@@ -214,7 +214,11 @@ SEGMENTED = {  # presets whose training forward reads by causal segments, small 
             "attention.top_k=7", "attention.window=2", "indexer.dense_warmup_steps=0"),
     "csa_warmup": ("v4", "attention.layers=csa", "model.n_layers=1", "attention.csa_ratio=2",
                    "attention.top_k=7", "attention.window=2"),
-    "v41": ("v41", "attention.top_k=7", "attention.window=2", "indexer.dense_warmup_steps=0"),
+    # V4.1's indexers: an encoder full layer, a decoder full layer building the candidate
+    # pool (its block maxima padded past a segment) and a reindex layer reading it
+    "v41": ("v41", "model.n_layers=3", "attention.layers=full, full, reindex",
+            "attention.ratios=2, 1, 1", "attention.ced_split=1", "attention.top_k=7",
+            "attention.window=2", "indexer.dense_warmup_steps=0"),
     "dsa": ("dsa", "model.n_layers=1", "attention.top_k=13", "indexer.dense_warmup_steps=0"),
     "mha": ("mha", "model.n_layers=1"),
     "gqa": ("gqa", "model.n_layers=1"),
@@ -240,9 +244,9 @@ def test_causal_segments_equal_one_segment(name, monkeypatch):
         return train.loss_fn(nnx.merge(graphdef, state), batch, jnp.int32(0))[0]
 
     assert blocks.segments(49, 3, blocks.CAUSAL_SEGMENTS)[0] == (0, 12)  # 4 of 17 blocks
-    y, g = jax.value_and_grad(f)(state)
-    monkeypatch.setattr(blocks, "CAUSAL_SEGMENTS", 1)
-    y_all, g_all = jax.value_and_grad(f)(state)
+    y, g = jax.jit(jax.value_and_grad(f))(state)
+    monkeypatch.setattr(blocks, "CAUSAL_SEGMENTS", 1)  # traced anew by a new jit
+    y_all, g_all = jax.jit(jax.value_and_grad(f))(state)
     np.testing.assert_allclose(y, y_all, rtol=1e-12)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
                  g, g_all)
