@@ -7,7 +7,10 @@ beside kvbytes' cache bytes, and the program's op count. Nothing is allocated.
         [--batch 1] [--json FILE] [KEY=VALUE ...]
 
 The cache has --max-len positions per row (the argument a decode step holds); the prefill
-chunk runs --chunk new tokens into that cache.
+chunk runs --chunk new tokens into that cache. On a CPU, XLA runs bfloat16 matmuls in float32
+and keeps float32 copies of the weights among a program's temporaries, which a TPU or GPU
+program does not (V4.1-Flash's decode step: 29.30 GiB of temporaries with its bfloat16
+weights, 3.75 GiB with model.dtype=float32; its 4096-token prefill chunk 31.23 / 6.82 GiB).
 """
 
 import json
@@ -15,6 +18,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from dsattn import cli, config  # noqa: E402
 from dsattn.bench import lower  # noqa: E402
@@ -50,6 +56,11 @@ def main(argv=None):
               f"{r['output_bytes'] / GIB:>10.2f}Gi{r['temp_bytes'] / GIB:>10.2f}Gi"
               f"{r['cache_value_bytes'] / GIB:>12.3f}Gi{r['kvbytes_cache_bytes'] / GIB:>10.3f}Gi"
               f"{r['hlo_ops']:>10,}")
+    if jax.default_backend() == "cpu" and jnp.dtype(cfg.model.dtype).itemsize < 4:
+        # XLA:CPU computes 16-bit matmuls in float32 from float32 copies of the weights
+        print(f"CPU: temp includes float32 copies of the weights (up to "
+              f"{2 * rows[0]['param_bytes'] / GIB:.2f} GiB), which a TPU or GPU program does "
+              f"not hold;\nmodel.dtype=float32 lowers the programs without them")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -187,6 +187,23 @@ def test_kv_report_run_dirs_and_ratio_precision(run_dir, tmp_path):
     assert lines[run_dir.name][1] == f"{kvbytes.storage_per_token(run_cfg):,.0f}"
 
 
+def test_lower_reports_each_program_with_its_cache(tmp_path):
+    """scripts/lower.py on a small preset: a decode row and a prefill-chunk row, each from a
+    compiled program whose cache holds the stored bytes kvbytes counts."""
+    out = tmp_path / "rows.json"
+    p = script("lower", "configs/tiny/v41.yaml", "--max-len", "1K", "--chunk", "64", "--json",
+               out, "model.dtype=bfloat16")
+    assert p.returncode == 0, p.stderr.decode()
+    rows = json.loads(out.read_text())
+    assert [r["program"] for r in rows] == ["decode", "prefill 64"]
+    cfg = config.load(ROOT / "configs/tiny/v41.yaml", ["model.dtype=bfloat16"])
+    want = kvbytes.global_bytes(cfg, 1024) + kvbytes.local_bytes(cfg, context=1024)
+    for r in rows:
+        assert r["max_len"] == 1024 and r["cache_value_bytes"] == want
+        assert r["temp_bytes"] > 0 and r["hlo_ops"] > 0
+        assert r["argument_bytes"] >= r["param_bytes"] + r["cache_value_bytes"]
+
+
 def test_kv_report_equal_curves_stay_visible(tmp_path, monkeypatch):
     import matplotlib
 
