@@ -84,10 +84,14 @@ def _loss_and_grads(name, *overrides, step=None):
 
 
 V4_SHORT = ("model.n_layers=3", "attention.layers=swa, csa, hca")  # one layer of each kind
+# every V4.1 kind: an encoder (swa, full, reuse) and a decoder (full building the candidate
+# pool from the encoder's output, reindex reading it)
+V41_SHORT = ("model.n_layers=5", "attention.layers=swa, full, reuse, full, reindex",
+             "attention.ratios=0, 2, 2, 1, 1", "attention.ced_split=3")
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("v4", V4_SHORT), ("v41", ()), ("dsa", ("attention.top_k=5", "model.n_layers=2")),
+    ("v4", V4_SHORT), ("v41", V41_SHORT), ("dsa", ("attention.top_k=5", "model.n_layers=2")),
     ("mla", ("model.n_layers=2",)), ("mha", ("model.n_layers=2",))])
 def test_loss_and_gradients_do_not_depend_on_block_sizes(name, extra):
     one, g_one = _loss_and_grads(name, *extra)  # T < 512: a single block
