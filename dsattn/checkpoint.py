@@ -40,7 +40,8 @@ MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 # restores across them (see `layouts`).
 LAYOUT_KEYS = {("model", "scan_layers")}
 # Keys that choose how a program runs (block sizes), not what it computes: free on resume.
-EXECUTION_KEYS = {("attention", "query_block"), ("indexer", "key_block"), ("model", "remat")}
+EXECUTION_KEYS = {("attention", "query_block"), ("attention", "entry_block"),
+                  ("indexer", "key_block"), ("model", "remat")}
 
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out

@@ -91,6 +91,9 @@ class AttentionConfig:
     # Queries per block in the training forward and a prefill chunk (attention/blocks.py):
     # what attention holds live scales with the block, not with T x T. Not a model change.
     query_block: int = 512
+    # Entries per step of the online softmax over a long shared read (HCA over compressed
+    # entries; core.attend), when no training target needs the per-entry probabilities.
+    entry_block: int = 2048
 
 
 @dataclass(frozen=True)
@@ -451,6 +454,7 @@ def _check_attention(cfg: Config) -> None:
         raise ConfigError(f"attention.pool_blocks: must be >= 0, got {a.pool_blocks}")
     _positive(a.pool_block_size, "attention.pool_block_size")
     _positive(a.query_block, "attention.query_block")
+    _positive(a.entry_block, "attention.entry_block")
     _positive(ix.key_block, "indexer.key_block")
     plan.check(cfg)
 

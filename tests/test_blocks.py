@@ -96,7 +96,7 @@ V41_SHORT = ("model.n_layers=5", "attention.layers=swa, full, reuse, full, reind
 def test_loss_and_gradients_do_not_depend_on_block_sizes(name, extra):
     one, g_one = _loss_and_grads(name, *extra)  # T < 512: a single block
     blk, g_blk = _loss_and_grads(name, *extra, "attention.query_block=8",
-                                 "indexer.key_block=3")
+                                 "indexer.key_block=3", "attention.entry_block=5")
     for key in one:
         np.testing.assert_allclose(blk[key], one[key], rtol=1e-12, atol=1e-12, err_msg=key)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
@@ -199,6 +199,38 @@ def test_remat_recomputes_the_ffn_a_block_of_tokens_at_a_time():
         "attention.n_kv_heads=2", "attention.head_dim=16", "attention.query_block=256"),
         t)["temp_bytes"] for width in (f, 2 * f)]
     assert temp[1] - temp[0] < t * f * 4, (temp, (temp[1] - temp[0]) / (t * f * 4))
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 64])
+def test_online_softmax_over_entry_blocks_equals_one_softmax(block):
+    """`attend` with an entry block reads a long shared part (and a window longer than the
+    block) by an online softmax: output and gradients equal to the one softmax over every
+    part, in float64, with a gathered part beside it, a learned sink, blocks that do not
+    divide the part, and rows that see no entry at all (zeros, as the sink alone gives)."""
+    b, t, h, c, s_len, k, w = 2, 5, 3, 8, 23, 4, 9
+    keys = jax.random.split(jax.random.key(0), 8)
+    q = jax.random.normal(keys[0], (b, t, h, c), jnp.float64)
+    shared = jax.random.normal(keys[1], (b, s_len, c), jnp.float64)
+    gathered = jax.random.normal(keys[2], (b, t, k, c), jnp.float64)
+    window = jax.random.normal(keys[3], (b, w, c), jnp.float64)
+    sink = jax.random.normal(keys[4], (h,), jnp.float64)
+    masks = [jax.random.bernoulli(keys[5 + i], 0.6, (b, t, n)) for i, n in enumerate((s_len, k, w))]
+    masks = [m.at[0, 1].set(False) for m in masks]  # a query that sees nothing
+
+    def out(q, shared, gathered, window, sink, entry_block):
+        parts = list(zip((shared, gathered, window), masks))
+        return attend(q, parts, sink, entry_block)[0]
+
+    args = (q, shared, gathered, window, sink)
+    want = out(*args, None)
+    got = out(*args, block)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(got[0, 1], 0)
+    cot = jax.random.normal(jax.random.key(9), want.shape, jnp.float64)
+    g_want = jax.grad(lambda *a: jnp.sum(out(*a, None) * cot), argnums=range(5))(*args)
+    g_got = jax.grad(lambda *a: jnp.sum(out(*a, block) * cot), argnums=range(5))(*args)
+    for a, e in zip(g_got, g_want):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
 
 
 def test_signed_zero_scores_are_ties():

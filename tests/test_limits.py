@@ -140,6 +140,7 @@ def test_config_values_are_validated_at_load(override, needle):
     ("v4", ["attention.ratio=-4"], "attention.ratio: must be >= 0"),
     ("v4", ["attention.window=0"], "attention.window: must be >= 1"),
     ("v4", ["attention.top_k=0"], "attention.top_k: must be >= 1"),
+    ("v4", ["attention.entry_block=0"], "attention.entry_block: must be >= 1"),
     ("v4", ["attention.compress_rope_theta=-1"], "attention.compress_rope_theta: must be a "),
     # the kernels' block maxima tile pages exactly (and Triton tiles are powers of two)
     ("v41", ["indexer.impl=pallas_tpu", "attention.pool_block_size=3"],

@@ -44,6 +44,8 @@ SCAN = {"model.scan_layers": [False, True]}  # 4-layer presets: one layer, then 
 # dividing T, a few tokens.
 QBLOCK = {"attention.query_block": [512, 7, 32, 301]}
 KBLOCK = {"indexer.key_block": [4096, 5, 16]}
+# Entries per step of the online softmax over a long shared read (HCA's entries, a window)
+EBLOCK = {"attention.entry_block": [2048, 3, 16]}
 KNOBS = {
     "mha": {**SCAN, **QBLOCK},
     "gqa": {**QBLOCK},
@@ -53,13 +55,13 @@ KNOBS = {
             **KBLOCK},
     "v4": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
            "attention.csa_ratio": [4, 2, 3], "attention.hca_ratio": [16, 8, 5],
-           "cache.page_size": [16, 7, 3], **QBLOCK, **KBLOCK},
+           "cache.page_size": [16, 7, 3], **QBLOCK, **KBLOCK, **EBLOCK},
     "v41": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
             "attention.pool_blocks": [3, 0, 1, 8], "attention.pool_block_size": [4, 2, 8],
             "attention.sharing": [True, False], "attention.ced_split": [5, 0],
             "attention.ratio": [0, 2, 3],  # 0: the preset's per-layer ratios (2 and 1)
             "cache.page_size": [16, 7, 5],
-            **SCAN, **QBLOCK, **KBLOCK},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
+            **SCAN, **QBLOCK, **KBLOCK, **EBLOCK},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
 }
 # The quick search's configs: a few ablations per preset, each compiled once and shared by
 # that preset's examples.
@@ -69,10 +71,12 @@ QUICK = {
     "dsa": [{"attention.top_k": 5, "cache.page_size": 7, "attention.query_block": 7,
              "indexer.key_block": 16}],
     "v4": [{"attention.top_k": 3, "attention.window": 5, "attention.hca_ratio": 5,
-            "cache.page_size": 7, "attention.query_block": 32, "indexer.key_block": 5}],
+            "cache.page_size": 7, "attention.query_block": 32, "indexer.key_block": 5,
+            "attention.entry_block": 3}],
     "v41": [{}, {"attention.top_k": 3, "attention.pool_blocks": 8,
                  "attention.pool_block_size": 2, "cache.page_size": 7,
-                 "attention.query_block": 7, "indexer.key_block": 5}],
+                 "attention.query_block": 7, "indexer.key_block": 5,
+                 "attention.entry_block": 16}],
 }
 PRESETS = list(KNOBS)
 
