@@ -48,6 +48,14 @@ def map_queries(body, size: int, per_query, policy=None):
     return jax.tree.map(join, outs), jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
 
 
+def per_step(block: int, query_block: int, n_queries: int) -> int:
+    """Items a step of a blocked read (keys scored, entries attended) takes for a block of
+    `n_queries` queries: `block` for a full block of `query_block`, proportionally more for
+    fewer (a decode step), so the live scores stay query_block x block and decode is one
+    pass."""
+    return max(block, block * query_block // max(n_queries, 1))
+
+
 # A training forward's query block reads nothing past its last position, yet one compiled
 # block body must read as far as the last block does. Running the blocks in a few segments,
 # each reading only what precedes its end, leaves (n + 1) / 2n of that work for n equal

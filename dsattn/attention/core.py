@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention import reads
+from dsattn.attention import blocks, reads
 from dsattn.attention.common import shared_mix, shared_scores, softmax_dtype, split_keys
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope_last
@@ -136,10 +136,8 @@ class SinkAttentionOutput(nnx.Module):
             parts = [(keys, window.mask(key_pos, pos))]
             if items is not None:
                 parts.insert(0, items)
-            per_step = entry_block
-            if entry_block is not None:  # fewer queries (a decode step): more entries a step,
-                # so the live scores stay query_block x entry_block and decode is one pass
-                per_step = max(entry_block, entry_block * self.query_block // q_blk.shape[1])
+            per_step = (None if entry_block is None
+                        else blocks.per_step(entry_block, self.query_block, q_blk.shape[1]))
             o, probs = attend(q_blk, parts, sink, per_step)
             o = apply_rope_last(o.astype(q.dtype), pos, theta, self.rope_dim, inverse=True)
             # attention mass per global item, summed over heads: the indexer's KL target

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsattn.attention import blocks
 from dsattn.attention.common import shared_scores, softmax_dtype
 from dsattn.nn.layers import dense
 from dsattn.nn.rope import apply_rope_last
@@ -91,9 +92,7 @@ def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "
     """
     s_len = keys.shape[1]
     k = min(k, s_len)
-    # `key_block` keys per step for a full block of `query_block` queries: fewer queries (a
-    # decode step) score proportionally more keys per step, so decode stays one pass.
-    key_block = max(key_block, key_block * query_block // max(q.shape[1], 1))
+    key_block = blocks.per_step(key_block, query_block, q.shape[1])
     if block_max:  # maxima per key block must not straddle two key blocks
         key_block = -(-key_block // block_max) * block_max
 
@@ -110,8 +109,8 @@ def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "
     pad = n_blk * key_block - s_len
     keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
     stored = jnp.pad(stored, ((0, 0), (0, pad)))  # padding is never stored
-    blocks = (jnp.moveaxis(keys.reshape(keys.shape[0], n_blk, key_block, -1), 1, 0),
-              jnp.moveaxis(stored.reshape(stored.shape[0], n_blk, key_block), 1, 0))
+    key_blocks = (jnp.moveaxis(keys.reshape(keys.shape[0], n_blk, key_block, -1), 1, 0),
+                  jnp.moveaxis(stored.reshape(stored.shape[0], n_blk, key_block), 1, 0))
     sd = softmax_dtype(q.dtype)
     init = (jnp.full(q.shape[:2] + (k,), -jnp.inf, sd), jnp.zeros(q.shape[:2] + (k,), jnp.int32))
 
@@ -125,7 +124,8 @@ def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "
         maxima = block_scores(s, s > -jnp.inf, block_max) if block_max else None
         return (vals, ids), maxima
 
-    (vals, idx), maxima = jax.lax.scan(merge, init, (blocks, jnp.arange(n_blk, dtype=jnp.int32)))
+    (vals, idx), maxima = jax.lax.scan(merge, init,
+                                       (key_blocks, jnp.arange(n_blk, dtype=jnp.int32)))
     if block_max:  # [n_blk, B, T, key_block / block_max] -> [B, T, ceil(S / block_max)]
         maxima = jnp.moveaxis(maxima, 0, 2).reshape(q.shape[:2] + (-1,))
         maxima = maxima[..., : -(-s_len // block_max)]
