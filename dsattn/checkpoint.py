@@ -62,8 +62,9 @@ def relayout(tree, units_from, units_to):
 def layouts(cfg) -> list:
     """(to_saved, to_current) tree maps for the layouts a run of `cfg`'s model may have
     been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), scanned
-    with first copies unrolled (migrations.first_copies_unrolled), and the unrolled layout
-    saved before the layer plan (migrations.MOVED_IN_ATTN)."""
+    without nested runs (migrations.without_runs) or with first copies unrolled
+    (migrations.first_copies_unrolled), and the unrolled layout saved before the layer plan
+    (migrations.MOVED_IN_ATTN)."""
     def units(scan: bool):
         return plan.units(dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
@@ -72,8 +73,9 @@ def layouts(cfg) -> list:
         return lambda t: relayout(t, now, saved), lambda t: relayout(t, saved, now)
 
     now, unrolled = plan.units(cfg), units(False)
-    old_scanned = migrations.first_copies_unrolled(units(True), plan.resolve(cfg))
-    return [between(units(not cfg.model.scan_layers)), between(old_scanned),
+    flat = migrations.without_runs(units(True))
+    old_scanned = migrations.first_copies_unrolled(flat, plan.resolve(cfg))
+    return [between(units(not cfg.model.scan_layers)), between(flat), between(old_scanned),
             (lambda t: migrations.legacy_layout(relayout(t, now, unrolled)),
              lambda t: relayout(migrations.current_layout(t), unrolled, now))]
 

@@ -2,7 +2,7 @@
 code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`), and
 parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
 `current_layout`, for params and optimizer moments alike), and scanned layouts that changed
-(`first_copies_unrolled`). One place for every migration,
+(`first_copies_unrolled`, `without_runs`). One place for every migration,
 so a new one is one entry here; dsattn.config and dsattn.checkpoint apply them."""
 
 from __future__ import annotations
@@ -103,3 +103,11 @@ def first_copies_unrolled(units, specs) -> tuple:
             u = Unit(u.start + u.period, u.period, u.copies - 1)
         out.append(u)
     return tuple(out)
+
+
+def without_runs(units) -> tuple:
+    """The units (plan.Unit) a scanned run had when saved before runs of equal layers in a
+    group were nested scans (through commit 46e758a): every layer its own slot."""
+    from dsattn.plan import Unit
+
+    return tuple(Unit(u.start, u.period, u.copies) for u in units)

@@ -69,8 +69,8 @@ class DecodeState:
     """What cached generation carries between calls: each row's next position, which rows
     a compiled step refused because they would pass `max_len` (sticky; see
     generate.check_cache), each row's (position, layer) evaluations so far, and the layers'
-    caches: one per unit (plan.units), a scanned group's as a tuple over its group's
-    positions, each stacked over the copies (`layer_caches` gives one per layer). `max_len`
+    caches: one per unit (plan.units), a scanned group's as a tuple over its slots, each
+    stacked over the slot's copies x run (`layer_caches` gives one per layer). `max_len`
     is static (not a leaf).
 
     `host_pos` is `pos` as the host already knows it (a read-only numpy copy), so a
@@ -128,95 +128,153 @@ class Block(nnx.Module):
         return self.attn.init_cache(batch, max_len)
 
 
+def _stacked_block(cfg: Config, spec: plan.LayerSpec, n: int, rngs: nnx.Rngs):
+    """`n` blocks of one spec with their parameters stacked along a leading axis."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return Block(cfg, spec, rngs)
+
+    return create(rngs)
+
+
+def _scan(body, carry, xs, writes_context: bool):
+    """`jax.lax.scan(body, carry, xs)` over copies of layers (the carry's second item is the
+    context), the context given the structure one copy gives it first: a field the copies
+    write but find empty (None), or holding another shape (an earlier full layer's entries
+    at another ratio), enters as zeros of the shape a copy writes, so every copy, the first
+    included, runs the one scanned body. That value is never read: a copy writes such a
+    field before its layers read it (what a layer reads before its group writes it has the
+    shape the group writes: a borrower shares its source's ratio, plan.check)."""
+    if writes_context:
+        ctx = carry[1]
+        out = jax.eval_shape(body, carry, jax.tree.map(lambda a: a[0], xs))[0][1]
+        fields = {f.name: _shaped_like(getattr(ctx, f.name), getattr(out, f.name))
+                  for f in dataclasses.fields(ctx)}
+        carry = (carry[0], ctx.replace(**fields), *carry[2:])
+    return jax.lax.scan(body, carry, xs)
+
+
 class ScannedBlocks(nnx.Module):
-    """`copies` copies of a group of blocks (plan.Unit) with parameters stacked along a
-    leading axis, run as one `jax.lax.scan`: one group is traced and compiled, whatever the
-    depth. What flows between layers (x and the context) is the scan's carry; caches are
-    stacked like the parameters."""
+    """The `copies` copies of a repeated group of blocks (a scanned plan.Unit), run as one
+    `jax.lax.scan` whose body is one copy, and inside it each run of equal layers as a
+    nested scan: one layer per slot is traced and compiled, whatever the depth. A slot's
+    parameters and caches are stacked along one leading axis over copies x run. What flows
+    between layers (x and the context) is the scans' carry."""
 
-    def __init__(self, cfg: Config, specs, copies: int, rngs: nnx.Rngs):
-        @nnx.split_rngs(splits=copies)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return nnx.List([Block(cfg, spec, rngs) for spec in specs])
-
-        self.copies = copies
+    def __init__(self, cfg: Config, unit: plan.Unit, rngs: nnx.Rngs):
+        specs = plan.resolve(cfg)
+        slot_specs = [specs[unit.layer(s, 0, 0)] for s in range(unit.traced)]
+        self.copies, self.runs = unit.copies, unit.runs
         self.remat = remat_policy(cfg.model.remat)
-        self.layers = create(rngs)
-        self.writes_context = any(s.writes_context for s in specs)
-        # The group's last layer that publishes its paged cache to later layers, if any.
-        self.publisher = next(((q, s) for q, s in reversed(list(enumerate(specs)))
-                               if s.kind.shares), None)
+        self.layers = nnx.List([_stacked_block(cfg, spec, unit.copies * r, rngs)
+                                for spec, r in zip(slot_specs, unit.runs)])
+        self.specs = tuple(slot_specs)
+        # The group's last slot that publishes its paged cache to later layers, if any.
+        self.publisher = next((q for q in reversed(range(unit.traced))
+                               if slot_specs[q].kind.shares), None)
 
-    def _scan(self, body, carry, xs):
-        """`jax.lax.scan(body, carry, xs)` over the copies (xs stacked over them; the carry's
-        second item is the context), the context given the structure one copy gives it
-        first: a field the group writes but finds empty (None), or holding another shape
-        (an earlier full layer's entries at another ratio), enters as zeros of the shape the
-        copy writes, so every copy, the first included, runs the one scanned body. That
-        value is never read: a copy writes such a field before its layers read it (what a
-        layer reads before its group writes it has the shape the group writes: a borrower
-        shares its source's ratio, plan.check)."""
-        if self.writes_context:
-            ctx = carry[1]
-            out = jax.eval_shape(body, carry, jax.tree.map(lambda a: a[0], xs))[0][1]
-            fields = {f.name: _shaped_like(getattr(ctx, f.name), getattr(out, f.name))
-                      for f in dataclasses.fields(ctx)}
-            carry = (carry[0], ctx.replace(**fields), *carry[2:])
-        return jax.lax.scan(body, carry, xs)
+    def _slots(self):
+        """(graphdef, parameters) of each slot, a run's parameters as [copies, run, ...]."""
+        out = []
+        for layer, r in zip(self.layers, self.runs):
+            graphdef, p = nnx.split(layer)
+            if r > 1:
+                p = jax.tree.map(lambda a: a.reshape(self.copies, r, *a.shape[1:]), p)
+            out.append((graphdef, p))
+        return out
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         """(output, one aux dict per layer in stack order, next context)."""
-        graphdef, params = nnx.split(self.layers)
+        slots = self._slots()
 
-        def one_copy(carry, p):
-            x, ctx = carry
+        def one_copy(carry, ps):
             auxes = []
-            for block in nnx.merge(graphdef, p):
-                x, aux, ctx = block(x, positions, step, ctx)
+            for s, ((graphdef, _), p) in enumerate(zip(slots, ps)):
+                def one_layer(carry, p, graphdef=graphdef):
+                    x, aux, ctx = nnx.merge(graphdef, p)(carry[0], positions, step, carry[1])
+                    return (x, ctx), aux
+
+                carry, aux = (one_layer(carry, p) if self.runs[s] == 1 else
+                              _scan(one_layer, carry, p, self.specs[s].writes_context))
                 auxes.append(aux)
-            return (x, ctx), auxes
+            return carry, auxes
 
         if self.remat is not None:
             one_copy = jax.checkpoint(one_copy, policy=self.remat, prevent_cse=False)
-        (x, ctx), auxes = self._scan(one_copy, (x, ctx), params)
-        per_layer = [jax.tree.map(lambda v, c=c: v[c], aux)
-                     for c in range(self.copies) for aux in auxes]
+        (x, ctx), auxes = _scan(one_copy, (x, ctx), [p for _, p in slots],
+                                self.writes_context)
+        per_layer = [jax.tree.map(lambda v: v[c] if r == 1 else v[c, j], auxes[s])
+                     for c in range(self.copies)
+                     for s, r in enumerate(self.runs) for j in range(r)]
         return x, per_layer, ctx
 
     def extend(self, x, positions, valid, caches, ctx=CachedContext()):
         """(output, the group's new stacked caches, next context). The caches are updated in
         place (cache.stacked), so a decode step reads only what each layer selects."""
-        graphdef, params = nnx.split(self.layers)
+        slots = self._slots()
         if self.publisher is not None:  # each copy publishes before it borrows (plan.units)
             ctx = ctx.replace(global_cache=None)
 
         def one_copy(carry, xs):
             x, ctx, caches = carry
-            p, i = xs
-            new = []
-            for block, cache in zip(nnx.merge(graphdef, p), stacked.view(caches, i)):
-                x, cache, ctx = block.extend(x, positions, valid, cache, ctx)
-                new.append(cache)
+            ps, i = xs
+            caches = list(caches)
+            for s, ((graphdef, _), p) in enumerate(zip(slots, ps)):
+                x, ctx, caches[s] = self._extend_slot(s, graphdef, p, i, x, positions, valid,
+                                                      ctx, caches[s])
             if self.publisher is not None:  # a view into `caches`: not carried twice
                 ctx = ctx.replace(global_cache=None)
-            return (x, ctx, stacked.merge(caches, tuple(new), i)), None
+            return (x, ctx, tuple(caches)), None
 
         caches = stacked.begin_scan(caches, positions, valid)
-        (x, ctx, caches), _ = self._scan(one_copy, (x, ctx, caches),
-                                         (params, jnp.arange(self.copies, dtype=jnp.int32)))
+        (x, ctx, caches), _ = _scan(one_copy, (x, ctx, caches),
+                                    ([p for _, p in slots],
+                                     jnp.arange(self.copies, dtype=jnp.int32)),
+                                    self.writes_context)
         caches = stacked.end_scan(caches)
         if self.publisher is not None:
-            q, spec = self.publisher
-            last = jnp.int32(self.copies - 1)  # what the layers after the group borrow
-            ctx = ctx.replace(global_cache=stacked.view(sources.published(spec, caches[q]),
-                                                        last))
+            q = self.publisher
+            ctx = ctx.replace(global_cache=self._published(q, caches[q], self.copies - 1))
         return x, caches, ctx
 
+    def _extend_slot(self, s, graphdef, p, i, x, positions, valid, ctx, cache):
+        """Copy `i`'s layers of slot `s` on the slot's stacked caches: (x, ctx, cache)."""
+        def one_layer(carry, xs):
+            x, ctx, cache = carry
+            p, k = xs
+            x, new, ctx = nnx.merge(graphdef, p).extend(x, positions, valid,
+                                                        stacked.view(cache, k), ctx)
+            if r > 1 and shares:  # a view into `cache`: not carried twice
+                ctx = ctx.replace(global_cache=None)
+            return (x, ctx, stacked.merge(cache, new, k)), None
+
+        r, shares = self.runs[s], self.specs[s].kind.shares
+        if r == 1:
+            return one_layer((x, ctx, cache), (p, i))[0]
+        if shares:
+            ctx = ctx.replace(global_cache=None)
+        (x, ctx, cache), _ = _scan(one_layer, (x, ctx, cache),
+                                   (p, i * r + jnp.arange(r, dtype=jnp.int32)),
+                                   self.specs[s].writes_context)
+        if shares:
+            ctx = ctx.replace(global_cache=self._published(s, cache, i))
+        return x, ctx, cache
+
+    @property
+    def writes_context(self) -> bool:
+        return any(spec.writes_context for spec in self.specs)
+
+    def _published(self, s: int, cache, c):
+        """What the layers after copy `c` of publishing slot `s` borrow: the paged cache of
+        the slot's last layer in that copy."""
+        r = self.runs[s]
+        return stacked.view(sources.published(self.specs[s], cache), c * r + r - 1)
+
     def init_cache(self, batch: int, max_len: int) -> tuple:
-        """One cache per block of the group, each stacked `copies` times."""
-        one = tuple(block.init_cache(batch, max_len) for block in self.layers)
-        return stacked.stack(one, self.copies)
+        """One cache per slot of the group, stacked over its copies x run."""
+        return tuple(stacked.stack(block.init_cache(batch, max_len), self.copies * r)
+                     for block, r in zip(self.layers, self.runs))
 
 
 class Transformer(nnx.Module):
@@ -229,8 +287,7 @@ class Transformer(nnx.Module):
         self.units = plan.units(cfg)
         # One entry per unit: a Block, or the stacked copies of a scanned group.
         self.blocks = nnx.List([
-            ScannedBlocks(cfg, specs[u.start: u.start + u.period], u.copies, rngs)
-            if u.scanned else Block(cfg, specs[u.start], rngs) for u in self.units])
+            ScannedBlocks(cfg, u, rngs) if u.scanned else Block(cfg, specs[u.start], rngs) for u in self.units])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
     def forward(self, tokens, step=None):
@@ -332,26 +389,28 @@ def _rows(x):
 
 def per_layer(units, items) -> list:
     """One item per layer, in stack order, from one per unit (plan.units): a scanned unit's
-    item is indexable by position in its group (0..period-1), each a tree stacked over the
-    copies."""
+    item is indexable by slot (Unit.slots), each a tree stacked over copies x run."""
     out = []
     for unit, item in zip(units, items):
         if not unit.scanned:
             out.append(item)
             continue
         for c in range(unit.copies):
-            out.extend(stacked.copy_at(item[q], c) for q in range(unit.period))
+            for s, r in enumerate(unit.runs):
+                out.extend(stacked.copy_at(item[s], c * r + j) for j in range(r))
     return out
 
 
 def per_unit(units, layers) -> list:
-    """The inverse of `per_layer`: a scanned unit's item is a tuple over its group's
-    positions of the copies' trees stacked."""
+    """The inverse of `per_layer`: a scanned unit's item is a tuple over its slots of the
+    slot's layers' trees stacked (copy c's j-th at c * run + j)."""
     out = []
     for unit in units:
-        group = [layers[i] for i in unit.layers]
-        out.append(tuple(stacked.join(group[q::unit.period]) for q in range(unit.period))
-                   if unit.scanned else group[0])
+        if not unit.scanned:
+            out.append(layers[unit.start])
+            continue
+        out.append(tuple(stacked.join([layers[unit.layer(s, c, j)] for c in range(unit.copies)
+                                       for j in range(r)]) for s, r in enumerate(unit.runs)))
     return out
 
 

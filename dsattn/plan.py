@@ -31,6 +31,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 from dsattn.errors import ConfigError
 
@@ -314,18 +315,28 @@ def role_shapes(cfg) -> dict[Role, list[tuple[int, int]]]:
 
 
 # ------------------------------------------------------------------------------- units
-MIN_SCAN_COPIES = 3  # a group repeated fewer times runs unrolled: a scan would not pay
+MIN_SCAN_COPIES = 3  # a group (or a run in one) repeated fewer times runs unrolled
 
 
 @dataclass(frozen=True)
 class Unit:
     """A run of the stack executed as one piece: a single layer (`copies` 1), or `copies`
     consecutive copies of a `period`-layer group scanned over parameters and caches
-    stacked along a leading axis."""
+    stacked along a leading axis.
+
+    Inside a group, `runs` splits the period into slots: a run of equal layers (at least
+    MIN_SCAN_COPIES of them) is one slot, scanned again inside each copy, so it is traced
+    once; any other layer is a slot of its own. A slot's parameters and caches are stacked
+    over copies x run (copy c's layer j at c * run + j)."""
 
     start: int
     period: int = 1
     copies: int = 1
+    runs: tuple[int, ...] | None = None  # layers per slot (None: one per layer)
+
+    def __post_init__(self):
+        if self.runs is None:
+            object.__setattr__(self, "runs", (1,) * self.period)
 
     @property
     def scanned(self) -> bool:
@@ -334,6 +345,20 @@ class Unit:
     @property
     def layers(self) -> range:
         return range(self.start, self.start + self.period * self.copies)
+
+    @property
+    def slots(self) -> tuple[tuple[int, int], ...]:
+        """(offset in the group, run length) of each slot."""
+        return tuple(zip(accumulate(self.runs[:-1], initial=0), self.runs))
+
+    @property
+    def traced(self) -> int:
+        """Layers traced (and compiled) for this unit: one per slot."""
+        return len(self.runs)
+
+    def layer(self, slot: int, c: int, j: int) -> int:
+        """The stack index of copy c's j-th layer of `slot`."""
+        return self.start + c * self.period + self.slots[slot][0] + j
 
 
 def _behaviour(s: LayerSpec) -> tuple:
@@ -352,10 +377,24 @@ def _scannable(group) -> bool:
     return not (shares and borrows) or shares[0] < borrows[0]
 
 
+def _runs(group) -> tuple[int, ...]:
+    """A group's slots: each maximal run of at least MIN_SCAN_COPIES equal behaviours, and
+    every other layer alone."""
+    out, q = [], 0
+    while q < len(group):
+        r = 1
+        while q + r < len(group) and group[q + r] == group[q]:
+            r += 1
+        out.extend([r] if r >= MIN_SCAN_COPIES else [1] * r)
+        q += r
+    return tuple(out)
+
+
 def units(cfg) -> tuple[Unit, ...]:
     """The stack as units (`model.scan_layers`): greedily from the first layer, the repeated
     group covering the most layers with at least MIN_SCAN_COPIES copies becomes a scanned
-    unit. No unit spans the CED split."""
+    unit, its runs of equal layers nested scans (`Unit.runs`). No unit spans the CED
+    split."""
     specs = resolve(cfg)
     n, split = len(specs), cfg.attention.ced_split
     if not cfg.model.scan_layers:
@@ -376,6 +415,6 @@ def units(cfg) -> tuple[Unit, ...]:
             out.append(Unit(i))
             i += 1
             continue
-        out.append(Unit(i, p, c))
+        out.append(Unit(i, p, c, _runs(beh[i: i + p])))
         i += c * p
     return tuple(out)

@@ -28,9 +28,23 @@ PATTERNS = {
 }
 
 
-def _models(name):
+# Runs of equal layers in a repeated group scan again inside each copy (plan.Unit.runs). With
+# groups and runs of two copies, short stacks hold every kind of slot: a V4 compressor (csa)
+# alone then a run of hca layers; a V4.1 encoder whose full layers publish from a run and
+# whose reuse run borrows from it, and a decoder whose full layer (alone) builds the pool a
+# run of reindex layers reads, each publishing the selection the reuse layer after it takes.
+RUNS = {
+    "v4": ("v4", "model.n_layers=6", "attention.layers=(csa, hca*2)*2",
+           "attention.ratios=(4, 8, 8)*2"),
+    "v41": ("v41", "model.n_layers=16", "attention.ced_split=8",
+            "attention.layers=(full*2, reuse*2)*2, (full, reindex*2, reuse)*2",
+            "attention.ratios=2*8, 1*8"),
+}
+
+
+def _models(name, patterns=PATTERNS):
     """(unrolled model, scanned model with the unrolled one's weights)."""
-    base, *overrides = PATTERNS[name]
+    base, *overrides = patterns[name]
     unrolled_cfg = preset(base, "model.dtype=float64", "model.scan_layers=false", *overrides)
     scanned_cfg = preset(base, "model.dtype=float64", "model.scan_layers=true", *overrides)
     assert any(u.scanned for u in plan.units(scanned_cfg))
@@ -51,6 +65,17 @@ def test_scanned_stack_equals_unrolled_and_decodes_its_forward(name):
     np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
                                np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
     check_decode_matches_forward(scanned, lengths=[5, 27], n_decode=4, max_len=40)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_nested_runs_equal_unrolled_and_decode_their_forward(name, monkeypatch):
+    monkeypatch.setattr(plan, "MIN_SCAN_COPIES", 2)
+    unrolled, scanned = _models(name, RUNS)
+    assert any(max(u.runs) > 1 for u in scanned.units if u.scanned)
+    toks = np.random.RandomState(1).randint(0, 256, (2, 40))
+    np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
+                               np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
+    check_decode_matches_forward(scanned, lengths=[6, 29], n_decode=4, max_len=40)
 
 
 # A scanned group of 4 copies: paged + ring + compressor state, and contiguous caches; the

@@ -88,7 +88,7 @@ def measure(cfg, prompt: int = 64, context: int = 64, long_context: int = LONG_C
             "decode_long_ms": time_decode(model, long_context, batch=1, steps=10,
                                           warmup=2)["step_ms"],
             "scanned_units": sum(u.scanned for u in plan.units(cfg)),
-            "traced_layers": sum(u.period for u in plan.units(cfg))}
+            "traced_layers": sum(u.traced for u in plan.units(cfg))}
 
 
 def run(configs_dir, patterns=tuple(PATTERNS), log=print) -> list[dict]:
