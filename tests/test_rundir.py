@@ -279,6 +279,17 @@ def test_scanned_run_saved_with_first_copies_unrolled_loads_and_resumes(tmp_path
                for x in jax.tree.leaves(full))
 
 
+def test_scanned_run_saved_before_nested_runs_loads_and_resumes(tmp_path):
+    """tests/data/scan_flat_runs_run was saved by the code before runs of equal layers in a
+    group were nested scans (its make.py, run at commit 46e758a): its (full, reuse*3) group
+    stacked each of the four layers over the 3 copies. Today the reuse run is one slot
+    stacked over 3 copies x 3 layers, copy c's layer j at 3c + j."""
+    cfg, items = _saved_run_loads_and_resumes(tmp_path, "scan_flat_runs_run")
+    assert plan.units(cfg) == (plan.Unit(0, 4, 3, (1, 3)),)
+    reuse = _adam_moments(items)["blocks"][0]["layers"][1]["ffn"]
+    assert all(x.shape[0] == 9 and float(np.abs(x).max()) > 0 for x in jax.tree.leaves(reuse))
+
+
 @pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])
 def test_runs_restore_across_scanned_and_unrolled_layouts(tmp_path, saved, loaded):
     """model.scan_layers changes how weights are laid out (repeated layers stacked), not what
