@@ -36,14 +36,14 @@ def v4_pattern(depth: int) -> list[str]:
 
 
 def v41_pattern(depth: int) -> list[str]:
-    """V4.1-Flash's pattern at `depth` layers (even): encoder = two SWA layers and
-    (full, reuse*2) groups at m=2, decoder = (full, reuse) and (reindex, reuse*2) groups at
-    m=1, split in the middle (CED); leftover layers are reuse layers."""
+    """V4.1-Flash's pattern at `depth` layers (even; at 40 exactly V4.1-Flash's), split in
+    the middle (CED): encoder = two SWA layers, then a full layer every 6th (m=2) and reuse
+    layers between; decoder = a full layer, then a reindex layer every 4th (m=1) and reuse
+    layers between."""
     half = depth // 2
-    groups, rest = divmod(half - 2, 3)
-    enc = f"swa*2, (full, reuse*2)*{groups}" + (f", reuse*{rest}" if rest else "")
-    dec = f"full, reuse, (reindex, reuse*2)*{groups}" + (f", reuse*{rest}" if rest else "")
-    return [f"model.n_layers={2 * half}", f"attention.layers={enc}, {dec}",
+    enc = ["full" if k % 6 == 0 else "reuse" for k in range(half - 2)]
+    dec = ["full"] + ["reindex" if k % 4 == 0 else "reuse" for k in range(1, half)]
+    return [f"model.n_layers={2 * half}", f"attention.layers={', '.join(['swa'] * 2 + enc + dec)}",
             f"attention.ratios=0*2, 2*{half - 2}, 1*{half}", f"attention.ced_split={half}"]
 
 
