@@ -5,11 +5,12 @@ layers (paged caches stacked), a V4 (csa, hca) group (compressor states stacked)
 (full, reuse) / (reindex, reuse) groups on both sides of a CED split, so the scan carries
 shared entries, selections and the candidate pool."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, plan
+from dsattn import checkpoint, plan, train
 from dsattn.bench import lower
 from dsattn.model import Transformer
 from tests.helpers import check_decode_matches_forward, forward, preset
@@ -76,6 +77,21 @@ def test_nested_runs_equal_unrolled_and_decode_their_forward(name, monkeypatch):
     np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
                                np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
     check_decode_matches_forward(scanned, lengths=[6, 29], n_decode=4, max_len=40)
+    # the training step: the same loss and, laid out per layer, the same gradients
+    toks = np.random.RandomState(2).randint(0, 256, (2, 25))
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    (loss, grads), (loss_u, grads_u) = (_loss_and_grads(m, batch) for m in (scanned, unrolled))
+    np.testing.assert_allclose(loss, loss_u, rtol=1e-12)
+    grads = checkpoint.relayout(grads, scanned.units, unrolled.units)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_u), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+
+
+def _loss_and_grads(model, batch):
+    graphdef, params = nnx.split(model)
+    loss = lambda p: train.loss_fn(nnx.merge(graphdef, p), batch)[0]
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), nnx.to_pure_dict(grads)
 
 
 # A scanned group of 4 copies: paged + ring + compressor state, and contiguous caches; the
