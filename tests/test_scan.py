@@ -1,9 +1,9 @@
 """Scanned layer groups (model.scan_layers, plan.units): a stack whose repeated groups run
 as one scan over stacked parameters computes what the unrolled stack computes with the same
 weights, and its cached prefill/decode reproduces its forward. The patterns repeat DSA
-layers (paged caches stacked), a V4 (csa, hca) group (compressor states stacked) and V4.1
-(full, reuse) / (reindex, reuse) groups on both sides of a CED split, so the scan carries
-shared entries, selections and the candidate pool."""
+layers (paged caches stacked), V4 (csa, hca*2) groups (compressor states stacked) and V4.1
+groups on both sides of a CED split, so the scans carry shared entries, selections and the
+candidate pool, with runs of equal layers nested inside a group's scan."""
 
 import jax
 import numpy as np
@@ -17,11 +17,6 @@ from tests.helpers import check_decode_matches_forward, forward, preset
 
 PATTERNS = {
     "dsa": ("dsa",),  # 4 layers: one, then a scan over 3 (stacked paged caches)
-    "v4": ("v4", "model.n_layers=6", "attention.layers=(csa, hca)*3",
-           "attention.ratios=(4, 8)*3"),
-    "v41": ("v41", "model.n_layers=13", "attention.ced_split=6",
-            "attention.layers=(full, reuse)*3, full, (reindex, reuse)*3",
-            "attention.ratios=2*6, 1*7"),
     # a scanned group of full layers after a full layer of another ratio: the context it
     # finds holds entries of another shape than the ones it writes
     "v41_ratios": ("v41", "model.n_layers=4", "attention.ced_split=0",
@@ -33,7 +28,8 @@ PATTERNS = {
 # groups and runs of two copies, short stacks hold every kind of slot: a V4 compressor (csa)
 # alone then a run of hca layers; a V4.1 encoder whose full layers publish from a run and
 # whose reuse run borrows from it, and a decoder whose full layer (alone) builds the pool a
-# run of reindex layers reads, each publishing the selection the reuse layer after it takes.
+# run of reindex layers reads, each publishing the selection the reuse layer after it takes
+# (single layers in a group as well: a csa, the decoder's full and reuse layers).
 RUNS = {
     "v4": ("v4", "model.n_layers=6", "attention.layers=(csa, hca*2)*2",
            "attention.ratios=(4, 8, 8)*2"),
