@@ -73,7 +73,14 @@ def test_nested_runs_equal_unrolled_and_decode_their_forward(name, monkeypatch):
     np.testing.assert_allclose(np.asarray(forward(scanned, toks)),
                                np.asarray(forward(unrolled, toks)), rtol=0, atol=1e-12)
     check_decode_matches_forward(scanned, lengths=[6, 29], n_decode=4, max_len=40)
-    # the training step: the same loss and, laid out per layer, the same gradients
+
+
+def test_nested_runs_train_as_unrolled(monkeypatch):
+    """The training step through a run's scan nested in a group's rematerialised scan: the
+    unrolled stack's loss and, laid out per layer, its gradients (the V4 stack; V4.1's 16
+    float64 layers would add 25 s for the same code path)."""
+    monkeypatch.setattr(plan, "MIN_SCAN_COPIES", 2)
+    unrolled, scanned = _models("v4", RUNS)
     toks = np.random.RandomState(2).randint(0, 256, (2, 25))
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
     (loss, grads), (loss_u, grads_u) = (_loss_and_grads(m, batch) for m in (scanned, unrolled))
