@@ -240,6 +240,8 @@ class ScannedBlocks(nnx.Module):
 
     def _extend_slot(self, s, graphdef, p, i, x, positions, valid, ctx, cache):
         """Copy `i`'s layers of slot `s` on the slot's stacked caches: (x, ctx, cache)."""
+        r, shares = self.runs[s], self.specs[s].kind.shares
+
         def one_layer(carry, xs):
             x, ctx, cache = carry
             p, k = xs
@@ -249,7 +251,6 @@ class ScannedBlocks(nnx.Module):
                 ctx = ctx.replace(global_cache=None)
             return (x, ctx, stacked.merge(cache, new, k)), None
 
-        r, shares = self.runs[s], self.specs[s].kind.shares
         if r == 1:
             return one_layer((x, ctx, cache), (p, i))[0]
         if shares:
@@ -287,7 +288,8 @@ class Transformer(nnx.Module):
         self.units = plan.units(cfg)
         # One entry per unit: a Block, or the stacked copies of a scanned group.
         self.blocks = nnx.List([
-            ScannedBlocks(cfg, u, rngs) if u.scanned else Block(cfg, specs[u.start], rngs) for u in self.units])
+            ScannedBlocks(cfg, u, rngs) if u.scanned else Block(cfg, specs[u.start], rngs)
+            for u in self.units])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
     def forward(self, tokens, step=None):

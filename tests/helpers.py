@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsattn import config, generate
+from dsattn import config, generate, train
 from dsattn.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +48,17 @@ def forward(model, tokens):
     """The teacher-forced forward, jitted (eager dispatch is ~6x slower for these models)."""
     graphdef, state = nnx.split(model)
     return _forward_jit(graphdef, state, jnp.asarray(tokens))
+
+
+def loss_and_grads(model, batch: dict, step=None):
+    """(train.loss_fn's metrics, gradients w.r.t. the model's state) of one batch, jitted."""
+    graphdef, params = nnx.split(model)
+
+    def f(p):
+        return train.loss_fn(nnx.merge(graphdef, p), batch, step)
+
+    (_, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return metrics, grads
 
 
 def check_decode_matches_forward(model, lengths, n_decode, max_len, seed=0, atol=1e-9):

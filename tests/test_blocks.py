@@ -21,7 +21,7 @@ from dsattn.attention.core import attend
 from dsattn.cache import ring
 from dsattn.model import Transformer
 from dsattn.nn.rope import apply_rope_last
-from tests.helpers import ROOT, preset
+from tests.helpers import ROOT, loss_and_grads, preset
 
 T = 45
 
@@ -72,15 +72,7 @@ def _loss_and_grads(name, *overrides, step=None):
     cfg = preset(name, "model.dtype=float64", *overrides)
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     toks = jax.random.randint(jax.random.key(2), (2, T + 1), 0, cfg.model.vocab_size)
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
-    graphdef, params = nnx.split(model)
-
-    @jax.jit
-    def f(params):
-        return train.loss_fn(nnx.merge(graphdef, params), batch, step)
-
-    (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
-    return metrics, grads
+    return loss_and_grads(model, {"inputs": toks[:, :-1], "targets": toks[:, 1:]}, step)
 
 
 V4_SHORT = ("model.n_layers=3", "attention.layers=swa, csa, hca")  # one layer of each kind

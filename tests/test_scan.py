@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, plan, train
+from dsattn import checkpoint, plan
 from dsattn.bench import lower
 from dsattn.model import Transformer
-from tests.helpers import check_decode_matches_forward, forward, preset
+from tests.helpers import check_decode_matches_forward, forward, loss_and_grads, preset
 
 PATTERNS = {
     "dsa": ("dsa",),  # 4 layers: one, then a scan over 3 (stacked paged caches)
@@ -83,18 +83,13 @@ def test_nested_runs_train_as_unrolled(monkeypatch):
     unrolled, scanned = _models("v4", RUNS)
     toks = np.random.RandomState(2).randint(0, 256, (2, 25))
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
-    (loss, grads), (loss_u, grads_u) = (_loss_and_grads(m, batch) for m in (scanned, unrolled))
-    np.testing.assert_allclose(loss, loss_u, rtol=1e-12)
-    grads = checkpoint.relayout(grads, scanned.units, unrolled.units)
+    (metrics, grads), (metrics_u, grads_u) = (loss_and_grads(m, batch)
+                                              for m in (scanned, unrolled))
+    np.testing.assert_allclose(metrics["loss"], metrics_u["loss"], rtol=1e-12)
+    grads = checkpoint.relayout(nnx.to_pure_dict(grads), scanned.units, unrolled.units)
+    grads_u = nnx.to_pure_dict(grads_u)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_u), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
-
-
-def _loss_and_grads(model, batch):
-    graphdef, params = nnx.split(model)
-    loss = lambda p: train.loss_fn(nnx.merge(graphdef, p), batch)[0]
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    return float(value), nnx.to_pure_dict(grads)
 
 
 # A scanned group of 4 copies: paged + ring + compressor state, and contiguous caches; the
