@@ -41,7 +41,7 @@ MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 LAYOUT_KEYS = {("model", "scan_layers")}
 # Keys that choose how a program runs (block sizes), not what it computes: free on resume.
 EXECUTION_KEYS = {("attention", "query_block"), ("attention", "entry_block"),
-                  ("indexer", "key_block"), ("model", "remat")}
+                  ("indexer", "key_block"), ("model", "remat"), ("model", "remat_block_from")}
 
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out

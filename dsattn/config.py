@@ -55,6 +55,11 @@ class ModelConfig:
     # per-block values quadratic in T (tiny mha at 32K: 6.5 GiB of temporaries, 1.6 with it;
     # docs/design.md, "Long context"). How the step runs, not what it computes.
     remat: str = "dots_with_no_batch_dims_saveable"
+    # From this many tokens per sequence on, the training step rematerialises whole blocks
+    # (as remat=block) whatever `remat` names: what a policy keeps grows with T, and at
+    # long context it, not attention, decides the step's memory (docs/design.md). Set it
+    # above model.max_seq_len to keep `remat` at every length.
+    remat_block_from: int = 16384
 
 
 @dataclass(frozen=True)
@@ -394,7 +399,8 @@ def validate(cfg: Config) -> None:
 
 def _check_model(cfg: Config) -> None:
     m = cfg.model
-    for key in ("vocab_size", "d_model", "n_layers", "ffn_hidden", "max_seq_len"):
+    for key in ("vocab_size", "d_model", "n_layers", "ffn_hidden", "max_seq_len",
+                "remat_block_from"):
         _positive(getattr(m, key), f"model.{key}")
     _above_zero(m.norm_eps, "model.norm_eps")
     _above_zero(m.init_std, "model.init_std")

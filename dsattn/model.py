@@ -50,6 +50,24 @@ def remat_policy(name: str):
     return cp.save_from_both_policies(policy, cp.save_only_these_names(selectors.SELECTION))
 
 
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """`model.remat` and `model.remat_block_from`: sequences of `block_from` tokens or more
+    rematerialise whole blocks whatever `name` says, since what a policy keeps grows with T
+    (docs/design.md, "Long context")."""
+
+    name: str
+    block_from: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Remat":
+        return cls(cfg.model.remat, cfg.model.remat_block_from)
+
+    def policy(self, t: int):
+        """The jax.checkpoint policy of a training forward over `t` tokens (None: none)."""
+        return remat_policy("block" if t >= self.block_from else self.name)
+
+
 def check_tokens(tokens, vocab_size: int, where: str = "tokens"):
     """Raise if concrete tokens fall outside [0, vocab_size). Tracers pass unchecked."""
     if isinstance(tokens, jax.core.Tracer):
@@ -102,7 +120,7 @@ class Block(nnx.Module):
         self.attn = make_attention(cfg, spec, rngs)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs, dt, m.init_std)
-        self.remat, self.token_block = remat_policy(m.remat), cfg.attention.query_block
+        self.remat, self.token_block = Remat.of(cfg), cfg.attention.query_block
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         """(output, aux losses, the context for the next block)."""
@@ -113,10 +131,11 @@ class Block(nnx.Module):
     def _ffn_by_blocks(self, x):
         """The FFN of a training forward, under rematerialisation by blocks of tokens, so a
         backward pass that recomputes it holds one block's hidden activations, not [T, F]."""
-        if self.remat is None:
+        policy = self.remat.policy(x.shape[1])
+        if policy is None:
             return self.ffn(self.ffn_norm(x))
         return blocks.map_queries(lambda start, h: (self.ffn(self.ffn_norm(h)), ()),
-                                  self.token_block, x, self.remat)[0]
+                                  self.token_block, x, policy)[0]
 
     def extend(self, x, positions, valid, cache, ctx=CachedContext()):
         """(output, the layer's new cache, the context for the next block)."""
@@ -166,7 +185,7 @@ class ScannedBlocks(nnx.Module):
         specs = plan.resolve(cfg)
         slot_specs = [specs[unit.layer(s, 0, 0)] for s in range(unit.traced)]
         self.copies, self.runs = unit.copies, unit.runs
-        self.remat = remat_policy(cfg.model.remat)
+        self.remat = Remat.of(cfg)
         self.layers = nnx.List([_stacked_block(cfg, spec, unit.copies * r, rngs)
                                 for spec, r in zip(slot_specs, unit.runs)])
         self.specs = tuple(slot_specs)
@@ -200,8 +219,9 @@ class ScannedBlocks(nnx.Module):
                 auxes.append(aux)
             return carry, auxes
 
-        if self.remat is not None:
-            one_copy = jax.checkpoint(one_copy, policy=self.remat, prevent_cse=False)
+        policy = self.remat.policy(x.shape[1])
+        if policy is not None:
+            one_copy = jax.checkpoint(one_copy, policy=policy, prevent_cse=False)
         (x, ctx), auxes = _scan(one_copy, (x, ctx), [p for _, p in slots],
                                 self.writes_context)
         per_layer = [jax.tree.map(lambda v: v[c] if r == 1 else v[c, j], auxes[s])
@@ -302,7 +322,7 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = _rows(self.embedding(tokens))
         auxes, ctx = [], StackContext()
-        policy = remat_policy(self.cfg.model.remat)
+        policy = Remat.of(self.cfg).policy(t)
 
         def run(block, x, ctx):
             return block(x, positions, step, ctx)

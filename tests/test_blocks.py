@@ -131,14 +131,15 @@ def test_running_top_k_equals_one_top_k_with_ties():
 
 
 @pytest.mark.parametrize("remat, layers", [
-    ("block", ("model.n_layers=3", "attention.layers=csa*3")),  # one scanned group
-    ("dots_with_no_batch_dims_saveable", V4_SHORT)])  # unrolled blocks
+    ("model.remat=block", ("model.n_layers=3", "attention.layers=csa*3")),  # a scanned group
+    ("model.remat=dots_with_no_batch_dims_saveable", V4_SHORT),  # unrolled blocks
+    (f"model.remat_block_from={T}", V4_SHORT)])  # the default policy, block by length
 def test_remat_changes_no_number(remat, layers):
     """model.remat recomputes blocks in the backward pass instead of keeping them: the same
     loss and gradients (a scanned group and unrolled blocks)."""
     base = ("attention.top_k=2", *layers, "attention.query_block=16")
     want, g_want = _loss_and_grads("v4", *base, "model.remat=none", step=0)
-    got, g_got = _loss_and_grads("v4", *base, f"model.remat={remat}", step=0)
+    got, g_got = _loss_and_grads("v4", *base, remat, step=0)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-12)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
                  g_got, g_want)
@@ -156,6 +157,30 @@ def test_training_step_memory_grows_linearly_with_the_sequence(name, extra):
         long_context.at_length(f"{ROOT}/configs/tiny/{name}.yaml", t, *blocks), t)["temp_bytes"]
         for t in (512, 2048)]
     assert temp[1] <= 4.6 * temp[0], temp
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_long_sequences_rematerialise_whole_blocks(scan):
+    """From model.remat_block_from tokens on, the training step rematerialises whole blocks
+    whatever model.remat names (a scanned group and unrolled blocks): it needs what
+    model.remat=block needs, less than the default policy by at least the FFN's gate or up
+    activations ([T, F]) of every layer, which the default keeps."""
+    from dsattn.bench import long_context
+
+    t, layers, ffn = 1024, 3, 384
+
+    def temp(*overrides):
+        cfg = long_context.at_length(
+            f"{ROOT}/configs/tiny/mha.yaml", t, f"model.n_layers={layers}",
+            f"model.ffn_hidden={ffn}", f"model.scan_layers={str(scan).lower()}",
+            "attention.query_block=64", *overrides)
+        return long_context.train_step_memory(cfg, t)["temp_bytes"]
+
+    default = temp(f"model.remat_block_from={t + 1}")
+    by_length = temp(f"model.remat_block_from={t}")
+    block = temp("model.remat=block", f"model.remat_block_from={t + 1}")
+    assert by_length <= 1.01 * block, (by_length, block)
+    assert default - by_length > layers * t * ffn * 4, (default, by_length)
 
 
 def test_remat_frees_each_unrolled_blocks_internals():

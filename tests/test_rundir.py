@@ -435,8 +435,8 @@ def test_train_script_with_debug_shows_a_failed_saves_traceback(run_dir, monkeyp
 
 
 def test_block_sizes_and_remat_may_change_on_resume(tmp_path):
-    """attention.query_block and entry_block, indexer.key_block and model.remat choose how
-    the step runs, not what it computes: a run restores under other values (a model key
+    """attention.query_block and entry_block, indexer.key_block, model.remat and
+    remat_block_from choose how the step runs, not what it computes: a run restores under other values (a model key
     still refuses)."""
     from dsattn import checkpoint
     from tests.helpers import preset
@@ -445,7 +445,8 @@ def test_block_sizes_and_remat_may_change_on_resume(tmp_path):
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
     checkpoint.check_compatible(tmp_path, preset(
         "v4", "model.n_layers=2", "attention.layers=swa, csa", "attention.query_block=64",
-        "indexer.key_block=128", "attention.entry_block=64", "model.remat=block"))
+        "indexer.key_block=128", "attention.entry_block=64", "model.remat=block",
+        "model.remat_block_from=4096"))
     with pytest.raises(checkpoint.CheckpointMismatch, match="attention.top_k"):
         checkpoint.check_compatible(tmp_path, preset(
             "v4", "model.n_layers=2", "attention.layers=swa, csa", "attention.top_k=3"))
