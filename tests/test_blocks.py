@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dsattn import train
-from dsattn.attention import indexer
+from dsattn.attention import blocks, indexer
 from dsattn.attention.context import StackContext
 from dsattn.attention.core import attend
 from dsattn.cache import ring
@@ -303,3 +303,15 @@ def test_causal_segments_equal_one_segment(name, monkeypatch):
     np.testing.assert_allclose(y, y_all, rtol=1e-12)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12),
                  g, g_all)
+
+
+def test_split_cuts_an_axis_into_padded_blocks():
+    """blocks.split: the blocks' axis first, the last block padded (zeros; False in a mask)."""
+    a = jnp.arange(10).reshape(2, 5)  # cut the second axis into blocks of 2
+    got = blocks.split(a, 1, 2)
+    want = np.array([[[0, 1], [5, 6]], [[2, 3], [7, 8]], [[4, 0], [9, 0]]])
+    np.testing.assert_array_equal(got, want)
+    mask = blocks.split(jnp.ones((1, 3, 4), bool), 2, 3)  # [2, 1, 3, 3]
+    assert mask.shape == (2, 1, 3, 3)
+    np.testing.assert_array_equal(mask[1, 0, :, 1:], False)
+    assert bool(mask[0].all()) and bool(mask[1, 0, :, 0].all())

@@ -34,18 +34,24 @@ def map_queries(body, size: int, per_query, policy=None):
         return body(jnp.int32(0), per_query)
     n_blk = -(-t // size)
 
-    def split(a):
-        a = jnp.pad(a, [(0, 0), (0, n_blk * size - t)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape((a.shape[0], n_blk, size) + a.shape[2:]), 1, 0)
-
     def join(a):
         a = jnp.moveaxis(a, 0, 1)
         return a.reshape((a.shape[0], n_blk * size) + a.shape[3:])[:, :t]
 
     one = jax.checkpoint(lambda j, blk: body(j * size, blk), prevent_cse=False, policy=policy)
     outs, sums = jax.lax.map(lambda xs: one(*xs),
-                             (jnp.arange(n_blk, dtype=jnp.int32), jax.tree.map(split, per_query)))
+                             (jnp.arange(n_blk, dtype=jnp.int32),
+                              jax.tree.map(lambda a: split(a, 1, size), per_query)))
     return jax.tree.map(join, outs), jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
+
+
+def split(a, axis: int, size: int):
+    """`a` cut along `axis` into blocks of `size`, the blocks' axis first: [n_blk, ...,
+    size, ...]; the last block padded with zeros (False in a mask)."""
+    n = a.shape[axis]
+    n_blk = -(-n // size)
+    a = jnp.pad(a, [(0, n_blk * size - n) if d == axis else (0, 0) for d in range(a.ndim)])
+    return jnp.moveaxis(a.reshape(a.shape[:axis] + (n_blk, size) + a.shape[axis + 1:]), axis, 0)
 
 
 def per_step(block: int, query_block: int, n_queries: int) -> int:

@@ -82,12 +82,8 @@ def _online(q, parts, sink, block: int, sd):
         if entries.ndim == 4 or n <= block:
             state = absorb(state, entries, mask)
             continue
-        n_blk = -(-n // block)
-        pad = n_blk * block - n  # padding is masked
-        entries = jnp.pad(entries, ((0, 0), (0, pad), (0, 0)))
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-        xs = (jnp.moveaxis(entries.reshape(entries.shape[0], n_blk, block, -1), 1, 0),
-              jnp.moveaxis(mask.reshape(mask.shape[:2] + (n_blk, block)), 2, 0))
+        # padding is masked
+        xs = (blocks.split(entries, 1, block), blocks.split(mask, 2, block))
         state = jax.lax.scan(lambda st, x: (absorb(st, *x), None), state, xs)[0]
     _, l, acc = state
     return (acc / l).astype(jnp.result_type(*(e.dtype for e, _ in parts)))

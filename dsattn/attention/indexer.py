@@ -106,11 +106,8 @@ def top_k(q, w, keys, stored, n_visible, k: int, key_block: int, method: str = "
         maxima = block_scores(s, s > -jnp.inf, block_max) if block_max else None
         return idx.astype(jnp.int32), vals > -jnp.inf, maxima
     n_blk = -(-s_len // key_block)
-    pad = n_blk * key_block - s_len
-    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
-    stored = jnp.pad(stored, ((0, 0), (0, pad)))  # padding is never stored
-    key_blocks = (jnp.moveaxis(keys.reshape(keys.shape[0], n_blk, key_block, -1), 1, 0),
-                  jnp.moveaxis(stored.reshape(stored.shape[0], n_blk, key_block), 1, 0))
+    # padding is never stored
+    key_blocks = (blocks.split(keys, 1, key_block), blocks.split(stored, 1, key_block))
     sd = softmax_dtype(q.dtype)
     init = (jnp.full(q.shape[:2] + (k,), -jnp.inf, sd), jnp.zeros(q.shape[:2] + (k,), jnp.int32))
 
