@@ -436,8 +436,8 @@ def test_train_script_with_debug_shows_a_failed_saves_traceback(run_dir, monkeyp
 
 def test_block_sizes_and_remat_may_change_on_resume(tmp_path):
     """attention.query_block and entry_block, indexer.key_block, model.remat and
-    remat_block_from choose how the step runs, not what it computes: a run restores under other values (a model key
-    still refuses)."""
+    remat_block_from choose how the step runs, not what it computes: a run restores under
+    other values (a model key still refuses)."""
     from dsattn import checkpoint
     from tests.helpers import preset
 
