@@ -153,3 +153,19 @@ class TestCompiled:
         fields, cache = _scrambled_cache(fmt)
         check_kernel(KERNELS[jax.default_backend()], fmt, T, cache, interpret=False,
                      tol=1e-4)
+
+
+@pytest.mark.parametrize("score", [indexer.scores, indexer.gathered_scores])
+def test_indexer_scores_ask_for_ieee_float32_dots_on_gpu(score):
+    """The indexer's scores decide top-k, and decode scores with a kernel whose dots are IEEE
+    float32 (HIGHEST). XLA's default precision on a GPU runs float32 dots in TF32 (10-bit
+    mantissa: on an H200 indexer.scores differed from the reference by 1.4%), so the XLA path
+    must ask for HIGHEST too, or training and decode may select different entries. Checked on
+    the program lowered for CUDA: every dot it holds asks for HIGHEST on both operands."""
+    q, w, _ = _queries(3)
+    keys = jnp.ones((B, 5, D), jnp.float32)
+    if score is indexer.gathered_scores:
+        keys = jnp.ones((B, 3, 5, D), jnp.float32)
+    text = jax.jit(score).trace(q, w, keys).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots), dots

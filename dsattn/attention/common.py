@@ -36,12 +36,12 @@ def split_keys(p, sizes):
 # Products against keys shared by every query and head ([B, S, c]: a cache as stored). Written
 # as one [B, T·H, c] x [B, S, c] dot_general so XLA reads the keys in their stored layout; the
 # equivalent 4-D einsum made XLA:CPU transpose (copy) all S keys first.
-def shared_scores(q, keys, preferred_element_type=None):
+def shared_scores(q, keys, preferred_element_type=None, precision=None):
     """q [B, T, H, c] · keys [B, S, c] -> [B, T, H, S]."""
     b, t, h, c = q.shape
     dt = jnp.promote_types(q.dtype, keys.dtype)
     s = jax.lax.dot_general(q.reshape(b, t * h, c).astype(dt), keys.astype(dt), (((2,), (2,)), ((0,), (0,))),
-                            preferred_element_type=preferred_element_type)
+                            preferred_element_type=preferred_element_type, precision=precision)
     return s.reshape(b, t, h, -1)
 
 

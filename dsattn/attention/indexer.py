@@ -37,19 +37,25 @@ class IndexerQuery(nnx.Module):
         return q, self.w_heads(x) * self.scale
 
 
+# The scores decide top-k, and decode's kernels take IEEE float32 dots: a GPU's default would
+# run float32 dots in TF32 (10-bit mantissa), so training and decode could select differently.
+# On bfloat16 inputs HIGHEST is the plain bf16 dot with float32 accumulation.
+_DECIDE = jax.lax.Precision.HIGHEST
+
+
 def scores(q, w, keys):
     """I [B, T, S] for queries q [B,T,n,d], weights w [B,T,n] and keys [B,S,d]."""
     sd = softmax_dtype(q.dtype)
-    dots = shared_scores(q, keys, preferred_element_type=sd)
-    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
+    dots = shared_scores(q, keys, preferred_element_type=sd, precision=_DECIDE)
+    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd), precision=_DECIDE)
 
 
 def gathered_scores(q, w, keys):
     """I [B, T, S] for queries q [B,T,n,d] and weights w [B,T,n] against per-query keys
     [B, T, S, d] (the candidate pool's keys, gathered for each query)."""
     sd = softmax_dtype(q.dtype)
-    dots = jnp.einsum("btnd,btsd->btns", q, keys, preferred_element_type=sd)
-    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd))
+    dots = jnp.einsum("btnd,btsd->btns", q, keys, preferred_element_type=sd, precision=_DECIDE)
+    return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd), precision=_DECIDE)
 
 
 def _top(x, k: int, method: str):
