@@ -4,6 +4,7 @@ errors; `indexer.topk_method=approx` (approx_max_k) selects what exact top-k sel
 
 from functools import lru_cache
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,12 +55,25 @@ def test_pallas_interpret_decode_equals_xla(name, impl):
                                atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"),
+                    reason=f"compiled kernels need a GPU or TPU; backend is "
+                           f"{jax.default_backend()} (the interpret-mode cases cover CPU)")
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_kernel_decode_equals_xla(name):
+    """On the device: decode through the backend's compiled kernel (indexer.impl=auto) gives
+    the XLA path's logits."""
+    np.testing.assert_allclose(preset_logits(name, "indexer.impl=auto"),
+                               preset_logits(name, "indexer.impl=xla"), atol=2e-4, rtol=2e-4)
+
+
 def resolved(*overrides):
     return indexer.resolve_impl(preset("v41", *overrides))
 
 
 def test_impl_resolution():
-    assert resolved("indexer.impl=auto") == "xla"  # CPU: the reference path
+    # auto: the backend's kernel on a GPU or TPU, the reference path on a CPU
+    on = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+    assert resolved("indexer.impl=auto") == on
     assert resolved("indexer.impl=pallas_tpu", "cache.key_format=bf16") == "pallas_tpu"
     assert resolved("indexer.impl=pallas_tpu", "cache.key_format=fp4_ue8m0") == "pallas_tpu"
     assert resolved("indexer.impl=pallas_gpu", "cache.key_format=fp8_ue8m0") == "pallas_gpu"
