@@ -88,11 +88,16 @@ def _median_ms(times) -> float:
 
 
 def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
-                warmup: int = 2) -> dict:
+                warmup: int = 2, max_len: int | None = None) -> dict:
     """Median decode step (ms) with `context` tokens cached per row; first-call time and the
-    number of decode programs compiled for it."""
+    number of decode programs compiled for it. `max_len`: the cache's capacity (default just
+    enough), so several contexts can share one compiled step."""
     eng = generate.engine(model)
-    cache = generate.init_cache(model, batch, context + warmup + steps + 1)
+    need = context + warmup + steps + 1
+    if max_len is not None and max_len < need:
+        raise ValueError(f"time_decode: max_len={max_len} holds fewer than the {need} "
+                         f"positions {context} cached tokens and the timed steps need")
+    cache = generate.init_cache(model, batch, max_len or need)
     cache = synthetic_context(model, cache, context)
     jax.block_until_ready(cache)
     tok = jnp.zeros((batch,), jnp.int32)
