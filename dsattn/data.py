@@ -2,19 +2,24 @@
 
 The default corpus is the ``.py`` source of the running interpreter's standard library,
 read as bytes (vocab 256), so every experiment works offline and identically on every
-machine with the same Python. User data is a text file or glob (bytes again) or a raw
-little-endian uint16 token file (``.u16``/``.bin``). Validation is split by file (a stable
-CRC32 of each file's relative path), or by a contiguous tail when there is only one file,
-so no text ever appears on both sides. ``batch_at`` draws the batch of step ``i`` from
+machine with the same Python. User data is a text file or glob (bytes again), a raw
+little-endian uint16 token file (``.u16``/``.bin``), or a token directory of
+scripts/prepare_data.py (dsattn.tokendir: memory-mapped shards, their tokenizer and split).
+`parse_source` reads a ``data.source`` string into a typed `Source` once. Validation is split
+by file (a stable CRC32 of each file's relative path), or by a contiguous tail when there is
+only one file, so no text ever appears on both sides; a token directory was split by
+document when it was prepared. ``batch_at`` draws the batch of step ``i`` from
 ``default_rng([seed, i])``: batches are a pure function of (seed, step), so a resumed run
 sees exactly the batches an uninterrupted one would, with no iterator state to save.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob as _glob
 import os
+import shutil
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -22,11 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dsattn import recall
+from dsattn import recall, tokendir
+from dsattn import config as config_lib
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError, InputError
+from dsattn.tokenizer import TOKENIZER_FILE
 
 TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
+BYTE_VOCAB = config_lib.ModelConfig.vocab_size  # 256: the default model vocab, bytes
 FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
 _HASH_BUCKETS = 10_000
 _EVAL_SEED_BASE = 2**32  # eval batches use seed + this: never a training (seed, step) stream
@@ -34,7 +42,7 @@ _EVAL_SEED_BASE = 2**32  # eval batches use seed + this: never a training (seed,
 
 @dataclass
 class Corpus:
-    train: np.ndarray  # 1-D int32 (byte sources) or uint16 (token files), read-only
+    train: np.ndarray  # 1-D int32 (byte sources), uint16/uint32 (token files, dirs), read-only
     val: np.ndarray
     vocab_size: int  # the model vocab the tokens were checked against (all tokens < it)
     description: str
@@ -192,17 +200,48 @@ def _stdlib_corpus(val_fraction: float, max_bytes: int):
     return _split_byte_files(_stdlib_root(), files, val_fraction, max_bytes, "stdlib")
 
 
-# ----------------------------------------------------------------------------- user sources
-def _match(source: str) -> list[Path]:
+# ----------------------------------------------------------------------------- sources
+@dataclass(frozen=True)
+class Source:
+    """A data.source string, parsed once (`parse_source`)."""
+    kind: str  # "stdlib" | "recall" | "text" (files read as bytes) | "tokens" (.u16/.bin) | "dir"
+    text: str  # the data.source string as given
+    paths: tuple[Path, ...] = ()  # text/tokens: the matched files; dir: the token directory
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether a token is a UTF-8 byte (every kind but token files and directories)."""
+        return self.kind not in ("tokens", "dir")
+
+
+def parse_source(source: str) -> Source:
+    """What `source` names: 'stdlib', a recall spec, a token directory (one with meta.json),
+    a text file or glob, or .u16/.bin token files. Files must exist."""
+    if recall.is_recall(source):
+        return Source("recall", source)
+    if source == "stdlib":
+        return Source("stdlib", source)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        raise InputError(f"data.source {source!r} is a directory; give a file or a glob "
-                         f"such as {os.path.join(source, '*.txt')!r}")
+        if not tokendir.is_token_dir(path):
+            tokendir.read_meta(path)  # raises: a directory without meta.json
+        return Source("dir", source, (Path(path),))
     matches = sorted(p for p in _glob.glob(path, recursive=True) if os.path.isfile(p))
     if not matches:
-        raise FileNotFoundError(f"data.source {source!r} matches no file "
-                                f"(expected 'stdlib', a text file or glob, or a .u16/.bin file)")
-    return [Path(p) for p in matches]
+        raise FileNotFoundError(f"data.source {source!r} matches no file (expected 'stdlib', a "
+                                f"text file or glob, a .u16/.bin file or a token directory)")
+    paths = tuple(Path(p) for p in matches)
+    is_tok = [p.suffix.lower() in TOKEN_SUFFIXES for p in paths]
+    if any(is_tok) and not all(is_tok):
+        raise InputError(f"data.source {source!r} mixes token files "
+                         f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
+    return Source("tokens" if all(is_tok) else "text", source, paths)
+
+
+def _token_dir(source: str) -> Path | None:
+    """The token directory `source` names, or None (cheap: no glob, no metadata read)."""
+    path = os.path.expanduser(source)
+    return Path(path) if source != "stdlib" and os.path.isdir(path) else None
 
 
 def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
@@ -249,6 +288,32 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
                              repr(data_cfg.source))
 
 
+def _check_dir_vocab(meta: dict, vocab_size: int, source: str) -> None:
+    """Ids up to the tokenizer's vocab may occur: the model must have room for all of them."""
+    if vocab_size < meta["vocab_size"]:
+        raise ConfigError(
+            f"data.source {source!r}: its tokenizer has {meta['vocab_size']} tokens, more than "
+            f"model.vocab_size {vocab_size} (set model.vocab_size >= {meta['vocab_size']}, or "
+            f"leave it at the default {BYTE_VOCAB} to take the tokenizer's)")
+
+
+def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
+    """The directory's own train/val split (memory-mapped), each capped by data.max_bytes in
+    proportion; its metadata bounds every id, so no scan of the shards."""
+    meta, train, val = tokendir.read(path)
+    _check_dir_vocab(meta, vocab_size, data_cfg.source)
+    total = len(train) + len(val)
+    b_train, b_val = _budgets(data_cfg.max_bytes, data_cfg.val_fraction)
+    if b_train is not None:
+        train, val = train[: b_train // train.itemsize], val[: b_val // val.itemsize]
+    if not len(train) or not len(val):
+        raise InputError(f"{path}: empty corpus (train {len(train)}, val {len(val)} tokens)")
+    capped = f" of {total:,} (capped by data.max_bytes)" if len(train) + len(val) < total else ""
+    desc = (f"{path}: {len(train) + len(val):,} {meta['dtype']} tokens{capped}, "
+            f"{len(val):,} as validation (vocab {meta['vocab_size']}, {meta['tokenizer']})")
+    return train, val, desc
+
+
 @functools.lru_cache(maxsize=4)
 def recall_streams(source: str, val_fraction: float, max_bytes: int):
     """(train, val, description) of a recall source (dsattn.recall); cached: every Trainer
@@ -284,27 +349,60 @@ def _recall_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
 # ----------------------------------------------------------------------------- public API
 def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
     """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
-    if recall.is_recall(data_cfg.source):  # synthetic long-range task (dsattn/recall.py)
+    src = parse_source(data_cfg.source)
+    if src.kind == "recall":  # synthetic long-range task (dsattn/recall.py)
         return _recall_corpus(data_cfg, vocab_size)
-    if data_cfg.source == "stdlib":
+    if src.kind in ("tokens", "dir"):  # ids checked per file, or bounded by the metadata
+        load = _load_token_dir if src.kind == "dir" else _load_token_files
+        train, val, desc = load(src.paths[0] if src.kind == "dir" else list(src.paths),
+                                data_cfg, vocab_size)
+        return Corpus(train, val, vocab_size, desc)
+    if src.kind == "stdlib":
         train, val, desc = _stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes)
         what = "stdlib corpus"
     else:
-        paths = _match(data_cfg.source)
-        is_tok = [p.suffix.lower() in TOKEN_SUFFIXES for p in paths]
-        if any(is_tok) and not all(is_tok):
-            raise InputError(f"data.source {data_cfg.source!r} mixes token files "
-                             f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
-        if all(is_tok):
-            train, val, desc = _load_token_files(paths, data_cfg, vocab_size)
-            return Corpus(train, val, vocab_size, desc)  # vocab checked per file already
-        train, val, desc = _load_text_files(paths, data_cfg)
+        train, val, desc = _load_text_files(list(src.paths), data_cfg)
         what = f"data.source {data_cfg.source!r}"
     if not len(train) or not len(val):
         raise InputError(f"{what}: empty corpus (train {len(train)}, val {len(val)} tokens)")
     _check_vocab(train, vocab_size, what)
     _check_vocab(val, vocab_size, what)
     return Corpus(train, val, vocab_size, desc)
+
+
+def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
+    """`cfg` with model.vocab_size set to a token directory's vocab when the config leaves it at
+    the default (256, bytes); a smaller explicit vocab_size is refused (ConfigError), a larger
+    one kept. Other sources: `cfg` unchanged. Call before a model is built."""
+    path = _token_dir(cfg.data.source)
+    if path is None:
+        return cfg
+    meta = tokendir.read_meta(path)
+    if cfg.model.vocab_size == BYTE_VOCAB and meta["vocab_size"] != BYTE_VOCAB:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, vocab_size=meta["vocab_size"]))
+        config_lib.validate(cfg)  # e.g. a tensor axis must still divide the vocab
+    _check_dir_vocab(meta, cfg.model.vocab_size, cfg.data.source)
+    return cfg
+
+
+def tokenizer_path(source: str) -> Path | None:
+    """The tokenizer file of a token directory source; None for byte-level and token files."""
+    path = _token_dir(source)
+    return None if path is None else path / tokendir.read_meta(path)["tokenizer"]
+
+
+def keep_tokenizer(run_dir, source: str) -> None:
+    """A run on a token directory keeps its tokenizer (generate and eval read it there); a
+    run on bytes keeps none, so a stale copy is removed."""
+    dest = Path(run_dir) / TOKENIZER_FILE
+    src = tokenizer_path(source)
+    if src is None:
+        dest.unlink(missing_ok=True)
+        return
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)  # never a half-copied tokenizer beside the checkpoints
 
 
 def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, *,
@@ -359,5 +457,6 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-__all__ = ["Corpus", "load_corpus", "batch_at", "eval_batches", "unigram_entropy",
-           "encode", "decode", "split_files", "is_val_file", "TOKEN_SUFFIXES"]
+__all__ = ["Corpus", "Source", "parse_source", "load_corpus", "with_source_vocab",
+           "keep_tokenizer", "tokenizer_path", "batch_at", "eval_batches", "unigram_entropy", "encode", "decode",
+           "split_files", "is_val_file", "TOKEN_SUFFIXES"]

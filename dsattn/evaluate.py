@@ -8,7 +8,8 @@ train.seq_len, eval_batches and batch_size (and seed = train.seed) this is exact
 validation loss training logs. Lengths beyond the training length measure extrapolation.
 
 Losses are in nats per token and bits per token (nats / ln 2); on byte-level corpora (every
-source but .u16/.bin token files) a token is a byte, so bits per token is bits per byte.
+source but .u16/.bin token files and token directories) a token is a byte, so bits per token
+is bits per byte.
 
 `outputs` is the one evaluation forward: the training loop's validation (dsattn.train),
 `mean_loss` here and recall's predictions (dsattn.recall) all read it, `forward` compiles it
@@ -18,7 +19,6 @@ once per network config.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,8 @@ from dsattn.errors import InputError
 
 
 def is_byte_level(source: str) -> bool:
-    """True unless data.source names uint16 token files (data.TOKEN_SUFFIXES)."""
-    return Path(source).suffix.lower() not in data.TOKEN_SUFFIXES
+    """True unless data.source names token files or a token directory (data.Source)."""
+    return data.parse_source(source).byte_level
 
 
 def token_nll(logits, targets):

@@ -108,6 +108,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
                  progress_every: int | None = None):
+        cfg = data.with_source_vocab(cfg)  # a token directory's vocab, before any model
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
         self.progress_every = progress_every  # off a terminal: a line every N steps
         self._events = None  # TensorBoard events of the records, while `run` runs
@@ -148,6 +149,7 @@ class Trainer:
                     self._log({"step": self.step, "time": time.time(), "exact_resume": False,
                                "changed": changed})
                 checkpoint.save_config(self.run_dir, cfg)
+                data.keep_tokenizer(self.run_dir, cfg.data.source)  # generate/eval decode by it
         finally:
             self.lock.release()  # until run(): an idle Trainer does not block the directory
         t = cfg.train

@@ -6,8 +6,9 @@
 
 Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint and prints, per length, the
 mean next-token cross-entropy over fixed validation batches in nats per token and bits per
-byte (tokens are bytes; bits = nats / ln 2). The validation split is that of the run's
-data.source, or of --data (a text file or glob, or a .u16/.bin token file); KEY=VALUE
+byte (where tokens are bytes; bits = nats / ln 2). The validation split is that of the run's
+data.source, or of --data (a text file or glob, a .u16/.bin token file, or a token directory;
+a run trained on a token directory reads one prepared with the same tokenizer); KEY=VALUE
 overrides such as data.val_fraction=0.5 apply to the run's config (model sections may not
 change). At the training length with the default batches the loss is the one training
 logged as val_loss.
@@ -44,6 +45,21 @@ def parser():
     return ap
 
 
+def check_tokenizer(run_dir, source: str) -> None:
+    """A run that keeps a tokenizer (trained on a token directory) is measured only on ids of
+    that tokenizer: bytes or another tokenizer's ids would give a meaningless loss."""
+    from dsattn import data, tokenizer
+    from dsattn.errors import InputError
+
+    run_tok = Path(run_dir) / tokenizer.TOKENIZER_FILE
+    if not run_tok.exists():
+        return  # byte-level runs: data.load_corpus checks the vocab
+    data_tok = data.tokenizer_path(source)
+    if data_tok is None or data_tok.read_bytes() != run_tok.read_bytes():
+        raise InputError(f"{run_dir} was trained on tokens of its {tokenizer.TOKENIZER_FILE}; "
+                         f"{source!r} is not a token directory prepared with that tokenizer")
+
+
 def main(argv=None):
     args = cli.parse(parser(), argv)
     from dsattn import checkpoint, data, evaluate  # after parsing: usage errors skip JAX
@@ -52,6 +68,7 @@ def main(argv=None):
     cfg = checkpoint.load_run_config(args.run_dir, overrides)
     lens = ([n for group in args.seq_len for n in group] if args.seq_len
             else [cfg.train.seq_len, 4 * cfg.train.seq_len])
+    check_tokenizer(args.run_dir, cfg.data.source)
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
     evaluate.check_lengths(corpus, lens)  # before the (slow) checkpoint restore
     model, cfg, step = cli.load_run(args.run_dir, args.step, overrides)

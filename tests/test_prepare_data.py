@@ -1,0 +1,324 @@
+"""Tokenized corpora: scripts/prepare_data.py writes a token directory (shards + meta.json +
+tokenizer.json), data.source=DIR trains on it, and the run's tokenizer serves generate/eval.
+
+Expectations come from outside the code under test: the documents written here, the
+`tokenizers` library read directly, hashlib, file sizes, the run's own metrics.jsonl."""
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+
+from dsattn import cli, config, data
+from dsattn.config import DataConfig
+from dsattn.errors import DsattnError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64", "attention.n_heads=2",
+        "attention.n_kv_heads=2", "attention.head_dim=16", "train.batch_size=2",
+        "train.seq_len=16", "train.steps=3", "train.ckpt_every=3", "train.eval_batches=1",
+        "train.eval_every=3", "data.max_bytes=0"]
+
+# A few KB of varied text: code, prose, whitespace runs, non-ASCII, a literal "<|endoftext|>"
+# (must stay text, not become the separator).
+DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # ünïcode {i}\n\n\tindent\n" * (3 + i % 4)
+        for i in range(10)] + [
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    "日本語のテキスト、そして emoji 🦊 and accents: café, naïve, Ångström.\n" * 5,
+    "a literal <|endoftext|> inside a document stays text\n" * 4,
+]
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+prepare_data = _load_script("prepare_data")
+
+
+def run_main(main, argv, capsys):
+    """(exit status, stdout, stderr lines) of a script's main under the scripts' error policy."""
+    with pytest.raises(SystemExit) as e:
+        cli.run(main, [str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err.strip().splitlines()
+
+
+def write_corpus(root: Path, docs=DOCS) -> Path:
+    src = root / "corpus"
+    src.mkdir()
+    for i, d in enumerate(docs):
+        (src / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+    return src
+
+
+def prepare(capsys, *argv):
+    status, out, err = run_main(prepare_data.main, argv, capsys)
+    assert status == 0, err
+    return out
+
+
+def shard_tokens(out: Path, split: str) -> np.ndarray:
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"])
+                           for s in meta["splits"][split]])
+
+
+def split_documents(tokens, eos_id) -> list[list[int]]:
+    """Documents of a shard: each ends with eos_id."""
+    assert len(tokens) and tokens[-1] == eos_id
+    cuts = np.flatnonzero(tokens == eos_id)
+    return [tokens[a + 1 if i else 0: b].tolist()
+            for i, (a, b) in enumerate(zip(np.r_[-1, cuts[:-1]], cuts))]
+
+
+def is_subsequence(sub, seq) -> bool:
+    it = iter(seq)
+    return all(any(x == y for y in it) for x in sub)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A corpus prepared with a trained 320-token BPE (shared: training a tokenizer once)."""
+    root = tmp_path_factory.mktemp("prep")
+    src = write_corpus(root)
+    out = root / "tokens"
+    status = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
+                             str(src / "*.txt"), "-o", str(out), "--vocab-size", "320",
+                             "--val-fraction", "0.3"], capture_output=True, cwd=ROOT, timeout=120)
+    assert status.returncode == 0, status.stderr.decode()
+    return src, out
+
+
+# ----------------------------------------------------------------- 1. prepare_data.py
+def test_prepared_directory_round_trips_every_document(prepared):
+    src, out = prepared
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json",
+                                                      "train_000.bin", "val_000.bin"]
+    assert not [p for p in out.parent.iterdir() if p.name not in ("corpus", "tokens")]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["version"] == 1 and meta["dtype"] == "uint16"
+    assert meta["tokenizer"] == "tokenizer.json"
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert meta["vocab_size"] == tok.get_vocab_size() and 256 < meta["vocab_size"] <= 320
+    assert meta["eos_id"] == tok.token_to_id("<|endoftext|>")
+    decoded = {}
+    for split in ("train", "val"):
+        for s in meta["splits"][split]:  # the loader's checks hold
+            raw = (out / s["file"]).read_bytes()
+            assert len(raw) == s["bytes"] == 2 * s["tokens"]
+            assert hashlib.sha256(raw).hexdigest() == s["sha256"]
+        docs = split_documents(shard_tokens(out, split), meta["eos_id"])
+        assert len(docs) == sum(s["documents"] for s in meta["splits"][split])
+        decoded[split] = [tok.decode(d, skip_special_tokens=False) for d in docs]
+    # split at document boundaries: each side holds whole documents in corpus order
+    assert decoded["train"] and decoded["val"]
+    assert sorted(decoded["train"] + decoded["val"]) == sorted(DOCS)
+    assert is_subsequence(decoded["train"], DOCS) and is_subsequence(decoded["val"], DOCS)
+
+
+def test_token_dtype_fits_the_largest_id():
+    from dsattn import tokendir
+    assert tokendir.token_dtype(320) == np.uint16
+    assert tokendir.token_dtype(65536) == np.uint16  # ids 0..65535
+    assert tokendir.token_dtype(65537) == np.uint32
+    assert tokendir.token_dtype(129280) == np.uint32
+
+
+def test_loading_the_saved_tokenizer_gives_identical_ids(prepared, tmp_path, capsys):
+    src, out = prepared
+    again = tmp_path / "again"
+    prepare(capsys, str(src / "*.txt"), "-o", again, "--tokenizer", out / "tokenizer.json",
+            "--val-fraction", "0.3")
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(shard_tokens(again, split), shard_tokens(out, split))
+    assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+
+
+def test_paragraph_documents_of_one_file(tmp_path, capsys):
+    f = tmp_path / "book.txt"
+    paras = [f"Paragraph {i}: " + "words " * (5 + i) for i in range(8)]
+    f.write_text("\n\n".join(paras) + "\n", encoding="utf-8")
+    out = tmp_path / "tok"
+    prepare(capsys, f, "-o", out, "--vocab-size", "300", "--docs", "paragraph",
+            "--val-fraction", "0.3")
+    meta = json.loads((out / "meta.json").read_text())
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    got = [tok.decode(d, skip_special_tokens=False) for split in ("train", "val")
+           for d in split_documents(shard_tokens(out, split), meta["eos_id"])]
+    assert sorted(got) == sorted(p if i < 7 else p + "\n" for i, p in enumerate(paras))
+
+
+def test_hf_dataset_rows_are_documents(tmp_path, capsys, monkeypatch):
+    rows = [{"text": d, "id": i} for i, d in enumerate(DOCS)]
+    calls = []
+
+    def load_dataset(name, cfg_name=None, split=None):
+        calls.append((name, cfg_name, split))
+        return rows
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    out = tmp_path / "ds"
+    prepare(capsys, "--dataset", "someone/corpus", "--dataset-config", "small",
+            "-o", out, "--vocab-size", "300")
+    assert calls and all(c == ("someone/corpus", "small", "train") for c in calls)
+    meta = json.loads((out / "meta.json").read_text())
+    assert sum(s["documents"] for sp in meta["splits"].values() for s in sp) == len(DOCS)
+
+
+def test_dataset_without_the_datasets_package_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    status, _, err = run_main(prepare_data.main, ["--dataset", "x/y", "-o", tmp_path / "o"],
+                              capsys)
+    assert status == 1 and len(err) == 1 and "pip install datasets" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def _assert_nothing_written(root: Path, keep: set):
+    assert {p.name for p in root.iterdir()} == keep
+
+
+def test_prepare_errors_are_one_line_and_write_nothing(prepared, tmp_path, capsys):
+    src, out = prepared
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_text("")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not a tokenizer")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    cases = [([empty / "*.txt", "-o", tmp_path / "o1"], "empty corpus"),
+             ([src / "*.txt", "-o", tmp_path / "o2", "--tokenizer", bad], "bad.json"),
+             ([src / "*.txt", "-o", full], "--force"),
+             ([tmp_path / "nothing*.txt", "-o", tmp_path / "o3"], "nothing*.txt")]
+    for argv, needle in cases:
+        status, _, err = run_main(prepare_data.main, argv, capsys)
+        assert status == 1 and len(err) == 1 and needle in err[0], (argv, err)
+        _assert_nothing_written(tmp_path, {"empty", "bad.json", "full"})
+        assert [p.name for p in full.iterdir()] == ["keep.txt"]
+    prepare(capsys, src / "*.txt", "-o", full, "--vocab-size", "300", "--force")
+    assert (full / "meta.json").exists() and not (full / "keep.txt").exists()
+    _assert_nothing_written(tmp_path, {"empty", "bad.json", "full"})
+
+
+# ----------------------------------------------------------------- 2. data.source=DIR
+def test_token_directory_corpus_is_the_shards(prepared):
+    _, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    c = data.load_corpus(DataConfig(source=str(out), max_bytes=0), meta["vocab_size"])
+    np.testing.assert_array_equal(c.train, shard_tokens(out, "train"))
+    np.testing.assert_array_equal(c.val, shard_tokens(out, "val"))
+    assert isinstance(c.train, np.memmap) and c.train.dtype == np.uint16
+    cfg = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}"])
+    assert data.with_source_vocab(cfg).model.vocab_size == meta["vocab_size"]
+    big = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}",
+                                                        "model.vocab_size=1024"])
+    assert data.with_source_vocab(big).model.vocab_size == 1024  # room to spare is kept
+    assert data.parse_source(str(out)).kind == "dir"
+    assert not data.parse_source(str(out)).byte_level
+
+
+def test_token_directory_checks(prepared, tmp_path):
+    _, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    bare = tmp_path / "bare"  # shards without their metadata
+    bare.mkdir()
+    (bare / "train_000.bin").write_bytes((out / "train_000.bin").read_bytes())
+    with pytest.raises(DsattnError, match="meta.json"):
+        data.load_corpus(DataConfig(source=str(bare)), 512)
+    cut = tmp_path / "cut"  # a shard shorter than its metadata says
+    cut.mkdir()
+    for p in out.iterdir():
+        (cut / p.name).write_bytes(p.read_bytes())
+    (cut / "val_000.bin").write_bytes((out / "val_000.bin").read_bytes()[:-2])
+    with pytest.raises(DsattnError, match=r"val_000\.bin.*bytes"):
+        data.load_corpus(DataConfig(source=str(cut)), 512)
+    small = meta["vocab_size"] - 1
+    with pytest.raises(DsattnError, match=f"vocab_size {small}"):
+        data.load_corpus(DataConfig(source=str(out)), small)
+
+
+def test_train_errors_are_one_line_and_write_nothing(prepared, tmp_path, capsys):
+    _, out = prepared
+    train_script = _load_script("train")
+    meta = json.loads((out / "meta.json").read_text())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "train_000.bin").write_bytes(b"\0\0" * 64)
+    for source, overrides, needle in [
+            (bare, [], "meta.json"),
+            (out, [f"model.vocab_size={meta['vocab_size'] - 1}"], "model.vocab_size")]:
+        run = tmp_path / "run"
+        status, _, err = run_main(
+            train_script.main, ["configs/tiny/mha.yaml", "--run-dir", run, "--quiet",
+                                f"data.source={source}", *TINY, *overrides], capsys)
+        assert status == 1 and len(err) == 1 and needle in err[0], err
+        assert not run.exists()
+
+
+# ----------------------------------------------------------------- 3. a run on a token directory
+def script(name, *args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"),
+                           *map(str, args)], capture_output=True, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run_dir(prepared, tmp_path_factory):
+    _, out = prepared
+    run = tmp_path_factory.mktemp("bpe_run") / "run"
+    p = script("train", "configs/tiny/mha.yaml", "--run-dir", run, "--quiet",
+               f"data.source={out}", *TINY)
+    assert p.returncode == 0, p.stderr.decode()
+    return run
+
+
+def test_training_on_a_token_directory_keeps_its_tokenizer(prepared, run_dir):
+    _, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    assert config.load(run_dir / "config.yaml").model.vocab_size == meta["vocab_size"]
+    assert (run_dir / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+
+
+def test_generate_encodes_and_decodes_through_the_runs_tokenizer(run_dir):
+    from dsattn import generate
+    prompt = "def f3(x):"
+    p = script("generate", run_dir, "--prompt", prompt, "--max-new", "12", "--temperature", "0")
+    assert p.returncode == 0, p.stderr.decode()
+    tok = tokenizers.Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    model, _, _ = cli.load_run(run_dir)
+    new = generate.generate(model, [tok.encode(prompt).ids], 12, temperature=0.0)[0]
+    assert len(new) == 12 and max(new) < model.cfg.model.vocab_size
+    want = prompt + tok.decode(new, skip_special_tokens=False) + "\n"
+    assert p.stdout.decode("utf-8") == want
+    assert "[12 tokens" in p.stderr.decode()
+
+
+def test_eval_on_a_token_directory_run(run_dir, tmp_path):
+    rows_file = tmp_path / "rows.json"
+    p = script("eval", run_dir, "--seq-len", "16", "--json", rows_file, "--quiet")
+    assert p.returncode == 0, p.stderr.decode()
+    (row,) = json.loads(rows_file.read_text())["rows"]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val_loss = [r["val_loss"] for r in logged if "val_loss" in r][-1]
+    assert row["nats_per_token"] == pytest.approx(val_loss, rel=1e-5)
+    assert row["bits_per_byte"] is None  # a token is not a byte here
+
+
+def test_eval_refuses_data_of_another_tokenizer(prepared, run_dir, capsys):
+    src, _ = prepared
+    eval_script = _load_script("eval")
+    status, _, err = run_main(eval_script.main, [run_dir, "--data", src / "*.txt", "--quiet"],
+                              capsys)
+    assert status == 1 and len(err) == 1 and "tokenizer" in err[0], err
