@@ -142,6 +142,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
+    # Peak TFLOP/s of one device, for the MFU training logs; 0: jax's device_kind looked
+    # up in dsattn.flops.PEAK_TFLOPS (a device not there logs no MFU).
+    peak_tflops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -508,6 +511,7 @@ def _check_train(cfg: Config) -> None:
     # optax clips to this global norm: <= 0 zeroes or flips every update (no "off" value)
     _above_zero(t.grad_clip, "train.grad_clip")
     _at_least_zero(t.weight_decay, "train.weight_decay")
+    _at_least_zero(t.peak_tflops, "train.peak_tflops")
     _unit(t.min_lr_ratio, "train.min_lr_ratio", closed=True)
     _unit(t.b1, "train.b1", closed=False)
     _unit(t.b2, "train.b2", closed=False)

@@ -6,7 +6,10 @@ one endless line. Off a terminal (the stream is not a tty) a loop prints instead
 `every` units (default: a tenth of the loop, at most 50 units apart) and at its end, with
 the loop's own figures, the time elapsed and an ETA from the pace so far:
 
-    train v41: step 60/600 (10%) loss 3.412 val - tok/s 1,234; 1m12s elapsed, ETA 10m48s
+    train v41: step 60/600 (10%) loss 3.412 val - tok/s 1,234 TFLOP/s 0.0173; 1m12s elapsed,
+    ETA 10m48s
+
+(training adds MFU after TFLOP/s where the device's peak is known: dsattn.flops).
 """
 
 from __future__ import annotations

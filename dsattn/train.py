@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsattn import checkpoint, data, progress, runlog, sharding, tblog
+from dsattn import checkpoint, data, flops, progress, runlog, sharding, tblog
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.evaluate import outputs, token_nll, weighted_mean
@@ -102,7 +102,9 @@ class Trainer:
     metrics.jsonl gets a record every train.log_every steps and at each validation: the step's
     metrics, its learning rate `lr`, `time` (Unix seconds) and `tokens_per_s`, the rate of the
     steps since the previous record timed alone (the step is compiled ahead, so no compile
-    time; no validation or checkpoint time either). Each record's numbers also go to
+    time; no validation or checkpoint time either), with `model_tflops_per_s` (that rate x
+    the plan's training FLOPs per token, dsattn.flops) and `mfu` (over train.peak_tflops or
+    the device's known peak; absent when neither is known). Each record's numbers also go to
     TensorBoard event files beside it (dsattn.tblog).
     """
 
@@ -402,6 +404,7 @@ class Trainer:
     def _steps(self, target: int, caught: list, bar: progress.Progress) -> list[dict]:
         t, runs = self.cfg.train, self._runs()
         tokens_per_step = t.batch_size * t.seq_len  # of each run
+        rate = flops.TrainingRate(self.cfg, 1 if self.mesh is None else self.mesh.size)
         vals = None
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
@@ -423,7 +426,8 @@ class Trainer:
             self.step += 1
             tok_s = steps_timed * tokens_per_step / max(step_s, 1e-9)  # each run's own rate
             records = [{"step": self.step, **{k: float(v[i]) for k, v in metrics.items()},
-                        "tokens_per_s": tok_s, "time": time.time()} for i in range(len(runs))]
+                        "tokens_per_s": tok_s, **rate.record(tok_s), "time": time.time()}
+                       for i in range(len(runs))]
             if self.step % t.eval_every == 0 or self.step == target:
                 vals = self.validation_losses()
                 for record, val in zip(records, vals):
@@ -436,7 +440,7 @@ class Trainer:
                 self.save()
             bar.update(fields={"loss": "/".join(f"{x:.3f}" for x in metrics["loss"]),
                                "val": "-" if vals is None else "/".join(f"{x:.3f}" for x in vals),
-                               "tok/s": f"{tok_s:,.0f}"})
+                               "tok/s": f"{tok_s:,.0f}", **rate.shown(tok_s)})
         bar.close()  # before the line below
         if caught:
             if self.step > start and self._saved != self.step:
