@@ -221,6 +221,11 @@ def test_token_directory_corpus_is_the_shards(prepared):
     np.testing.assert_array_equal(c.train, shard_tokens(out, "train"))
     np.testing.assert_array_equal(c.val, shard_tokens(out, "val"))
     assert isinstance(c.train, np.memmap) and c.train.dtype == np.uint16
+    # data.max_bytes caps each split in proportion: 180 bytes of train, 20 of val (uint16)
+    capped = data.load_corpus(DataConfig(source=str(out), max_bytes=200, val_fraction=0.1),
+                              meta["vocab_size"])
+    np.testing.assert_array_equal(capped.train, shard_tokens(out, "train")[:90])
+    np.testing.assert_array_equal(capped.val, shard_tokens(out, "val")[:10])
     cfg = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}"])
     assert data.with_source_vocab(cfg).model.vocab_size == meta["vocab_size"]
     big = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}",
@@ -322,3 +327,47 @@ def test_eval_refuses_data_of_another_tokenizer(prepared, run_dir, capsys):
     status, _, err = run_main(eval_script.main, [run_dir, "--data", src / "*.txt", "--quiet"],
                               capsys)
     assert status == 1 and len(err) == 1 and "tokenizer" in err[0], err
+
+
+def test_a_vocab_beyond_uint16_gets_uint32_shards_and_the_separator_added(tmp_path, capsys):
+    vocab = {f"w{i}": i for i in range(70_000)}  # ids above 65535 must survive
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    word_level.save(str(tmp_path / "words.json"))
+    docs = [" ".join(f"w{(i * 7919 + j * 104729) % 70_000}" for j in range(40)) for i in range(6)]
+    src = tmp_path / "c"
+    src.mkdir()
+    for i, d in enumerate(docs):
+        (src / f"d{i}.txt").write_text(d)
+    out = tmp_path / "tok"
+    prepare(capsys, src / "*.txt", "-o", out, "--tokenizer", tmp_path / "words.json",
+            "--val-fraction", "0.3")
+    meta = json.loads((out / "meta.json").read_text())
+    # the tokenizer had no <|endoftext|>: the copy gets it as the next id
+    assert meta["eos_id"] == 70_000 and meta["vocab_size"] == 70_001
+    assert meta["dtype"] == "uint32"
+    got = [d for split in ("train", "val")
+           for d in split_documents(shard_tokens(out, split), meta["eos_id"])]
+    want = [[int(w[1:]) for w in d.split()] for d in docs]
+    assert sorted(got) == sorted(want) and max(max(d) for d in got) > 65_535
+    c = data.load_corpus(DataConfig(source=str(out), max_bytes=0), 70_001)
+    assert c.train.dtype == np.uint32
+
+
+def test_a_split_in_several_shards_reads_as_their_concatenation(prepared, tmp_path):
+    _, out = prepared
+    two = tmp_path / "two"
+    two.mkdir()
+    for p in out.iterdir():
+        (two / p.name).write_bytes(p.read_bytes())
+    meta = json.loads((out / "meta.json").read_text())
+    train = shard_tokens(out, "train")
+    cut = int(np.flatnonzero(train == meta["eos_id"])[0]) + 1  # after the first document
+    train[:cut].tofile(two / "train_000.bin")
+    train[cut:].tofile(two / "train_001.bin")
+    meta["splits"]["train"] = [
+        {"file": f"train_00{i}.bin", "tokens": len(a), "bytes": 2 * len(a), "documents": 0}
+        for i, a in enumerate((train[:cut], train[cut:]))]
+    (two / "meta.json").write_text(json.dumps(meta))
+    c = data.load_corpus(DataConfig(source=str(two), max_bytes=0), meta["vocab_size"])
+    np.testing.assert_array_equal(c.train, train)
