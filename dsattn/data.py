@@ -458,5 +458,5 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 __all__ = ["Corpus", "Source", "parse_source", "load_corpus", "with_source_vocab",
-           "keep_tokenizer", "tokenizer_path", "batch_at", "eval_batches", "unigram_entropy", "encode", "decode",
-           "split_files", "is_val_file", "TOKEN_SUFFIXES"]
+           "keep_tokenizer", "tokenizer_path", "batch_at", "eval_batches", "unigram_entropy",
+           "encode", "decode", "split_files", "is_val_file", "TOKEN_SUFFIXES"]

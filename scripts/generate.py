@@ -8,9 +8,10 @@
 Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint, then writes the prompt and
 its continuation to stdout while they are produced, and the speed to stderr. Text goes
 through the run's tokenizer: the tokenizer.json a run on a token directory keeps
-(scripts/prepare_data.py), else bytes (written raw, as the tokens are bytes). KEY=VALUE overrides may change how the run executes, not the model: its
-layout (model.scan_layers=false decodes unrolled, faster for MHA at long context on a CPU)
-or block sizes (attention.query_block).
+(scripts/prepare_data.py), else bytes (written raw, as the tokens are bytes). KEY=VALUE
+overrides may change how the run executes, not the model: its layout
+(model.scan_layers=false decodes unrolled, faster for MHA at long context on a CPU) or block
+sizes (attention.query_block).
 """
 
 import sys
