@@ -149,7 +149,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib", a text file or glob, or a .u16/.bin file of uint16 tokens
+    source: str = "stdlib"  # "stdlib", text file/glob, .u16/.bin tokens, or a token dir (data.py)
     val_fraction: float = 0.05
     max_bytes: int = 8_000_000  # cap on the corpus read (0: no cap)
 
