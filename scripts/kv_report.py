@@ -1,4 +1,5 @@
-"""KV-cache report: storage per token, local window, crossover and reads per decode step.
+"""KV-cache report: storage per token, local window, crossover and reads per decode step,
+beside model FLOPs per token.
 
     python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out runs/kv_report]
         [KEY=VALUE ...]
@@ -6,12 +7,16 @@
 Prints one row per config (the byte accounting of dsattn.kvbytes; docs/design.md, "Byte
 accounting"): a YAML preset (row named by its config name) or a run directory (its
 config.yaml; row named by the run directory). "vs" is the reference's storage per token over
-the row's: the first row named mha*, else the largest. Writes into --out:
+the row's: the first row named mha*, else the largest. The last two columns are model FLOPs
+per token (dsattn.flops; matmuls only, MoE out of scope: the presets' FFN as configured):
+a training step on sequences of --context tokens, and one decode step at --context cached
+tokens (with "attn" their attention and indexer part). Writes into --out:
   cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
                       horizontal memory-budget line (--budget-gb, in GiB = 2^30 B; MHA with
                       V2's dimensions, configs/deepseek/mha_v2dims.yaml, needs 480 at 128K)
   reads_per_step.png  bytes one decode step reads vs context (solid: total, dotted: search keys)
-  kv_report.json      the rows (every field of dsattn.kvbytes.report plus the ratio to MHA)
+  kv_report.json      the rows (every field of dsattn.kvbytes.report plus the ratio to MHA,
+                      train_flops / decode_flops: dsattn.flops's breakdowns by term)
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import checkpoint, cli, kvbytes
+from dsattn import checkpoint, cli, flops, kvbytes
 from dsattn.config import load as load_preset
 
 GIB = 2**30
@@ -52,6 +57,19 @@ def _si(n) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
     return f"{n:g} B"
+
+
+def _flop(n: float) -> str:
+    """FLOPs with a decimal SI prefix: 9.15 M, 1.23 T."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _attn_flops(f: dict) -> float:
+    """The part of a FLOPs breakdown that reads grow: attention and the indexer."""
+    return f["attention"] + f["indexer"]
 
 
 def _bytes(x: float) -> str:
@@ -84,7 +102,11 @@ def build_rows(paths, context: int, overrides=()) -> list[dict]:
     for p in paths:
         cfg = load(p, overrides)
         row = kvbytes.report(cfg, context)
-        row.update(name=label(p, cfg), preset=cfg.name, config=str(p))
+        row.update(name=label(p, cfg), preset=cfg.name, config=str(p),
+                   train_flops=flops.train_breakdown(cfg, context),
+                   decode_flops=flops.decode_breakdown(cfg, context))
+        row["train_flops_per_token"] = row["train_flops"]["total"]
+        row["decode_flops_per_token"] = row["decode_flops"]["total"]
         rows.append(row)
     if rows:
         ref = reference_row(rows)
@@ -110,7 +132,8 @@ def _ratio(r) -> str:
 def format_table(rows: list[dict]) -> str:
     ctx = rows[0]["context"] if rows else 0
     head = ("config", "B/token", "B/token BF16", "vs " + (rows[0]["reference"] if rows else "ref"),
-            "local", "crossover", f"read/step@{ctx:,}", "KV", "keys", "keys %")
+            "local", "crossover", f"read/step@{ctx:,}", "KV", "keys", "keys %",
+            f"train FLOP/tok@{ctx:,} (attn)", f"decode FLOP/tok@{ctx:,} (attn)")
     body = []
     for r in rows:
         ratio = r["ratio_to_reference"]
@@ -126,6 +149,8 @@ def format_table(rows: list[dict]) -> str:
             _si(r["read_kv_bytes"]),
             _si(r["read_key_bytes"]) if r["read_key_bytes"] else "-",
             f"{100 * r['read_key_share']:.1f}",
+            f"{_flop(r['train_flops_per_token'])} ({_flop(_attn_flops(r['train_flops']))})",
+            f"{_flop(r['decode_flops_per_token'])} ({_flop(_attn_flops(r['decode_flops']))})",
         ))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(  # noqa: E731

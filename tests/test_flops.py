@@ -4,6 +4,7 @@ against hand-worked figures, and as training logs them (model TFLOP/s, MFU)."""
 import functools
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from dsattn import flops, kvbytes, plan, train
 from dsattn.config import ConfigError
 from dsattn.model import Transformer
 from dsattn.plan import Selector
-from tests.helpers import preset
+from tests.helpers import ROOT, preset
 
 FAMILIES = ("mha", "gqa", "mla", "dsa", "v4", "v41")
 SHORT, LONG = 16, 512  # DSA reads min(top_k = 32, T) tokens: fewer at SHORT, top_k at LONG
@@ -203,3 +204,29 @@ def test_unknown_device_logs_no_mfu_and_progress_shows_tflops(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "TFLOP/s" in err and "MFU" not in err
     assert math.isfinite(records[-1]["model_tflops_per_s"])
+
+
+def test_kv_report_decode_flops_of_v3_2_and_v4_flash_at_1m_by_hand():
+    """scripts/kv_report.py's rows at 1M cached tokens. V3.2 (61 DSA layers, 128 heads,
+    absorbed: 2 x 128 x (512 + 64) + 2 x 128 x 512 = 278,528 per token read): top_k 2048
+    tokens, and its indexer (64 heads of 128: 16,512 per key) scores all 1M keys per layer.
+    V4-Flash (4 x 64 heads x 512 = 131,072 per item): 2 SWA layers read the 128-window, 21
+    CSA layers 128 + 512 entries and score 1M/4 keys, 20 HCA layers 128 + 1M/128 entries."""
+    import importlib.util
+
+    path = Path(ROOT) / "scripts" / "kv_report.py"
+    spec = importlib.util.spec_from_file_location("kv_report", path)
+    kv_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_report)
+    n = 2 ** 20
+    rows = kv_report.build_rows([Path(ROOT) / "configs/deepseek/v3_2.yaml",
+                                 Path(ROOT) / "configs/deepseek/v4_flash.yaml"], n)
+    v32, v4 = (r["decode_flops"] for r in rows)
+    assert v32["attention"] == 61 * 2048 * 278_528
+    assert v32["indexer"] == 61 * n * 16_512
+    assert v4["attention"] == (2 * 128 + 21 * (128 + 512) + 20 * (128 + n // 128)) * 131_072
+    assert v4["indexer"] == 21 * (n // 4) * 16_512
+    for r in rows:
+        assert r["decode_flops_per_token"] == r["decode_flops"]["total"]
+        assert r["train_flops_per_token"] == pytest.approx(
+            flops.train_flops_per_token(kv_report.load(r["config"]), n))
