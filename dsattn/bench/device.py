@@ -1,0 +1,228 @@
+"""One prepared check of a machine with a GPU or TPU (scripts/device_check.py): the
+accelerator-only tests (Pallas kernels compiled, not interpreted), a few bfloat16 training
+steps of each preset with tokens/s, model TFLOP/s and MFU, and decode steps at long cached
+contexts against the cache-bytes roofline, into one JSON report.
+
+Each section runs under a time budget and records what it did, so a lease that runs out
+still returns what was measured. On a CPU the same code runs at tiny sizes (the tiny presets,
+short sequences and contexts), which is how the tests cover it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsattn import config as config_lib
+from dsattn import flops
+from dsattn.bench import measures
+from dsattn.model import Transformer
+
+# Tests that only a GPU or TPU runs in full (their compiled-kernel cases skip elsewhere).
+DEVICE_TESTS = ("tests/test_kernels.py", "tests/test_indexer_impl.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the check runs. `for_backend` picks sizes an accelerator or a CPU finishes in
+    minutes."""
+    configs: str  # directory of the presets' <name>.yaml
+    train_presets: tuple[str, ...] = ("mha", "mla", "dsa", "v4", "v41")
+    train_seq: int = 8192
+    train_batch: int = 4
+    train_steps: int = 3
+    decode_presets: tuple[str, ...] = ("v4", "v41")
+    contexts: tuple[int, ...] = (32768, 131072)
+    decode_batch: int = 1
+    decode_steps: int = 10
+    tests: tuple[str, ...] = DEVICE_TESTS
+    overrides: tuple[str, ...] = ()  # for every preset
+    budget_s: float = 420.0  # the whole check; a section past it records what it skipped
+
+    @classmethod
+    def for_backend(cls, backend: str, root: Path, **changes) -> "Settings":
+        if backend == "cpu":
+            base = cls(configs=str(root / "configs" / "tiny"), train_seq=128, train_batch=2,
+                       train_steps=2, contexts=(256, 1024), decode_steps=3, budget_s=600.0)
+        else:
+            base = cls(configs=str(root / "configs" / "small"))
+        return dataclasses.replace(base, **changes)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
+            "device_count": jax.device_count(), "jax": jax.__version__,
+            "peak_tflops": flops.peak_tflops(dev.device_kind)}
+
+
+def run_tests(paths, root: Path, timeout_s: float) -> dict:
+    """pytest on `paths` in a subprocess: its counts and the ids of what failed."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *paths]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout_s)
+        text, rc = out.stdout + out.stderr, out.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)
+    return {"paths": list(paths), "returncode": rc, "seconds": time.perf_counter() - t0,
+            **counts, "failed_ids": failed, "tail": text[-3000:] if rc else text[-400:]}
+
+
+def preset(settings: Settings, name: str, *extra: str):
+    return config_lib.load(os.path.join(settings.configs, f"{name}.yaml"),
+                           [*settings.overrides, *extra])
+
+
+def train_preset(settings: Settings, name: str, peak: float | None) -> dict:
+    """A few training steps: tokens/s after the compiling step, model TFLOP/s from the layer
+    plan's FLOPs (dsattn.flops), MFU against `peak`, and the device's peak memory."""
+    cfg = preset(settings, name, f"train.seq_len={settings.train_seq}",
+                 f"train.batch_size={settings.train_batch}",
+                 f"model.max_seq_len={max(settings.train_seq, 1)}")
+    got = measures.time_training(cfg, settings.train_seq, settings.train_batch,
+                                 steps=settings.train_steps)
+    per_token = flops.train_flops_per_token(cfg, settings.train_seq)
+    tflops = got["tokens_per_s"] * per_token / 1e12
+    return {"preset": name, "dtype": cfg.model.dtype, "seq_len": settings.train_seq,
+            "batch": settings.train_batch, **got, "train_flops_per_token": per_token,
+            "model_tflops_per_s": tflops, "mfu": tflops / peak if peak else None,
+            "peak_bytes_in_use": _peak_bytes()}
+
+
+def _peak_bytes():
+    stats = jax.devices()[0].memory_stats() or {}  # None on a CPU
+    return stats.get("peak_bytes_in_use")
+
+
+def device_bandwidth(n_bytes: int, repeats: int = 5) -> float:
+    """Bytes read plus written per second by a jitted elementwise pass over n_bytes on the
+    device: the practical memory bandwidth the decode roofline divides by."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]:
+    """Decode steps at each context, all in one cache capacity (one compiled program), against
+    the roofline: the cache bytes the step must read (kvbytes) plus the weights, over the
+    measured bandwidth."""
+    longest = max(settings.contexts)
+    cfg = preset(settings, name, f"model.max_seq_len={longest + 64}")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    weights = measures.param_bytes(model)
+    rows = []
+    for context in settings.contexts:
+        got = measures.time_decode(model, context, settings.decode_batch,
+                                   steps=settings.decode_steps, max_len=longest + 64)
+        cache_bytes = measures.decode_bytes(cfg, context, settings.decode_batch)
+        roofline_ms = (cache_bytes + weights) / bandwidth * 1e3
+        rows.append({"preset": name, "context": context, "batch": settings.decode_batch,
+                     **got, "cache_read_bytes": cache_bytes, "weight_bytes": weights,
+                     "roofline_ms": roofline_ms, "of_roofline": roofline_ms / got["step_ms"],
+                     "decode_flops_per_token": flops.decode_flops_per_token(cfg, context)})
+    return rows
+
+
+def check(settings: Settings, root: Path, log=print, save=lambda report: None) -> dict:
+    """Every section in turn, each recorded as it finishes (and handed to `save`, so a run cut
+    short leaves a report); errors are recorded, not raised, so one broken section leaves the
+    others' numbers."""
+    t_start = time.perf_counter()
+    left = lambda: settings.budget_s - (time.perf_counter() - t_start)  # noqa: E731
+    report = {"settings": dataclasses.asdict(settings), "environment": environment(),
+              "tests": None, "train": [], "decode": [], "skipped": [], "errors": []}
+    peak = report["environment"]["peak_tflops"]
+
+    def attempt(what, fn):
+        if left() <= 0:
+            report["skipped"].append(what)
+            log(f"device check: {what} skipped (time budget spent)")
+            return None
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001  (recorded: the report is the product)
+            report["errors"].append({"section": what, "error": f"{type(e).__name__}: {e}"[:2000]})
+            log(f"device check: {what} failed: {type(e).__name__}: {str(e)[:300]}")
+            return None
+        log(f"device check: {what} done in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    def record():
+        report["seconds"] = time.perf_counter() - t_start
+        save(report)
+
+    if settings.tests:
+        report["tests"] = attempt("tests", lambda: run_tests(
+            settings.tests, root, timeout_s=max(left() * 0.4, 30)))
+        record()
+    for name in settings.train_presets:
+        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak))
+        report["train"].extend([row] if row else [])
+        record()
+    if settings.decode_presets:
+        bw = attempt("bandwidth", lambda: device_bandwidth(
+            1 << 30 if jax.default_backend() != "cpu" else 1 << 26))
+        report["bandwidth_bytes_per_s"] = bw
+        for name in settings.decode_presets if bw else ():
+            rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw))
+            report["decode"].extend(rows or [])
+            record()
+    record()
+    return report
+
+
+def summary(report: dict) -> str:
+    """The report as a few readable lines."""
+    env = report["environment"]
+    lines = [f"device: {env['device_kind']} ({env['backend']}, jax {env['jax']}), "
+             f"peak {env['peak_tflops'] or 'unknown'} TFLOP/s bf16"]
+    t = report["tests"]
+    if t:
+        lines.append(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                     f"{t.get('skipped', 0)} skipped ({t['seconds']:.0f} s)"
+                     + (f"; failed: {', '.join(t['failed_ids'])}" if t["failed_ids"] else ""))
+    for r in report["train"]:
+        mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
+        lines.append(f"train {r['preset']:>4} ({r['dtype']}, {r['batch']} x {r['seq_len']}): "
+                     f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops_per_s']:.2f} "
+                     f"TFLOP/s{mfu}, first step {r['first_call_s']:.1f} s")
+    if report.get("bandwidth_bytes_per_s"):
+        lines.append(f"bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
+    for r in report["decode"]:
+        lines.append(f"decode {r['preset']:>4} at {r['context']:,}: {r['step_ms']:.3f} ms/step, "
+                     f"roofline {r['roofline_ms']:.3f} ms ({r['of_roofline']:.1%} of it; "
+                     f"{r['cache_read_bytes'] / 1e6:.2f} MB cache + "
+                     f"{r['weight_bytes'] / 1e6:.1f} MB weights)")
+    for what in report["skipped"]:
+        lines.append(f"skipped: {what} (time budget)")
+    for e in report["errors"]:
+        lines.append(f"error in {e['section']}: {e['error'][:200]}")
+    return "\n".join(lines)
+
+
+def write(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)

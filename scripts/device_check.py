@@ -1,0 +1,73 @@
+"""Check a machine with a GPU or TPU in one command (a few minutes), into one JSON report:
+
+    python scripts/device_check.py [--out runs/device_check.json] [--budget-s 420]
+        [--train-presets mha,mla,dsa,v4,v41] [--decode-presets v4,v41]
+        [--contexts 32768,131072] [KEY=VALUE ...]
+
+1. the accelerator-only tests: the Pallas kernels compiled for the device (Triton on a GPU,
+   Mosaic on a TPU) against their references;
+2. a few bfloat16 training steps of each preset in configs/small (about 100M parameters,
+   8K tokens): tokens/s, model TFLOP/s (dsattn.flops) and MFU against the device's peak;
+3. decode steps of v4 and v41 at 32K and 128K cached tokens against the roofline: the bytes a
+   step must read (cache, by dsattn.kvbytes, plus the weights) over the device's measured
+   bandwidth.
+
+Each section runs under the time budget and the report is rewritten after each, so a lease
+that ends early still leaves what was measured. On a CPU the same check runs at tiny sizes
+(configs/tiny, 128-token steps, 256/1024-token contexts): the kernels' compiled cases skip.
+KEY=VALUE overrides apply to every preset (e.g. model.dtype=float32).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsattn import cli  # noqa: E402
+
+
+def names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv=None):
+    ap = cli.parser(__doc__, overrides=True)
+    ap.add_argument("--out", default=str(ROOT / "runs" / "device_check.json"))
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="time for the whole check (default 420 s; 600 s on a CPU)")
+    ap.add_argument("--configs", default=None,
+                    help="presets' directory (default configs/small; configs/tiny on a CPU)")
+    ap.add_argument("--train-presets", type=names, default=None)
+    ap.add_argument("--decode-presets", type=names, default=None)
+    ap.add_argument("--contexts", type=cli.int_list, default=None)
+    ap.add_argument("--train-seq", type=int, default=None)
+    ap.add_argument("--train-batch", type=int, default=None)
+    ap.add_argument("--tests", type=names, default=None,
+                    help="pytest paths (default: the kernel tests); '' for none")
+    args = cli.parse(ap, argv)
+
+    import jax
+
+    from dsattn.bench import device
+
+    given = {"budget_s": args.budget_s, "configs": args.configs,
+             "train_presets": args.train_presets, "decode_presets": args.decode_presets,
+             "contexts": args.contexts, "train_seq": args.train_seq,
+             "train_batch": args.train_batch, "tests": args.tests}
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
+               if v is not None}
+    settings = device.Settings.for_backend(jax.default_backend(), ROOT,
+                                           overrides=tuple(args.overrides), **changes)
+    out = Path(args.out)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    report = device.check(settings, ROOT, log=log, save=lambda r: device.write(r, out))
+    print(device.summary(report))
+    print(f"report: {out}")
+    return 1 if report["errors"] or (report["tests"] or {}).get("failed") else 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

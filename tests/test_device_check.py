@@ -1,0 +1,60 @@
+"""scripts/device_check.py on a CPU, at tiny sizes: the report holds every section with
+numbers consistent with their definitions, the decode contexts share one compiled step, and a
+spent budget or a broken section is recorded, not fatal."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsattn import flops
+from tests.helpers import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_TEST = "tests/test_kernels.py::test_block_max_must_divide_the_page"
+
+
+def device_check(tmp_path, *args):
+    out = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "scripts/device_check.py", "--out", str(out),
+                          "--tests", QUICK_TEST, *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_device_check_reports_every_section(tmp_path):
+    run, report = device_check(tmp_path, "--train-presets", "mha", "--decode-presets", "v4",
+                               "--contexts", "64,256")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert report["environment"]["backend"] == "cpu"
+    assert report["tests"]["passed"] == 3 and report["tests"].get("failed", 0) == 0
+    (train,) = report["train"]
+    cfg = preset("mha", "train.seq_len=128", "model.max_seq_len=128")
+    assert train["train_flops_per_token"] == flops.train_flops_per_token(cfg, 128)
+    assert train["model_tflops_per_s"] == pytest.approx(
+        train["tokens_per_s"] * train["train_flops_per_token"] / 1e12)
+    assert train["tokens_per_s"] > 0 and train["mfu"] is None  # no known peak for a CPU
+    short, long = report["decode"]
+    assert (short["context"], long["context"]) == (64, 256)
+    assert short["compilations"] == 1 and long["compilations"] == 0  # one program for both
+    assert long["cache_read_bytes"] > short["cache_read_bytes"] > 0
+    bw = report["bandwidth_bytes_per_s"]
+    for row in (short, long):
+        assert row["roofline_ms"] == pytest.approx(
+            (row["cache_read_bytes"] + row["weight_bytes"]) / bw * 1e3)
+    assert "tokens/s" in run.stdout and "roofline" in run.stdout
+    assert report["skipped"] == [] and report["errors"] == []
+
+
+def test_device_check_records_a_spent_budget_and_a_broken_section(tmp_path):
+    run, report = device_check(tmp_path, "--budget-s", "0", "--train-presets", "mha")
+    assert run.returncode == 0
+    assert report["skipped"] == ["tests", "train mha", "bandwidth"]
+    run, report = device_check(tmp_path, "--tests", "", "--train-presets", "nosuch",
+                               "--decode-presets", "")
+    assert run.returncode == 1  # an error makes the check fail, after writing its report
+    (error,) = report["errors"]
+    assert error["section"] == "train nosuch" and "nosuch" in error["error"]
