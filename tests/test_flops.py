@@ -230,3 +230,15 @@ def test_kv_report_decode_flops_of_v3_2_and_v4_flash_at_1m_by_hand():
         assert r["decode_flops_per_token"] == r["decode_flops"]["total"]
         assert r["train_flops_per_token"] == pytest.approx(
             flops.train_flops_per_token(kv_report.load(r["config"]), n))
+
+
+def test_bench_training_measure_reports_model_tflops():
+    from dsattn.bench import measures
+
+    cfg = preset("mha", "model.n_layers=1")
+    got = measures.time_training(cfg, 32, 1, steps=1)
+    assert got["train_flops_per_token"] == flops.train_flops_per_token(
+        preset("mha", "model.n_layers=1", "train.seq_len=32"), 32)
+    assert got["model_tflops_per_s"] == pytest.approx(
+        got["tokens_per_s"] * got["train_flops_per_token"] / 1e12)
+    assert "mfu" not in got  # this CPU's peak is unknown

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn import config as config_lib
-from dsattn import data, generate, kvbytes, plan
+from dsattn import data, flops, generate, kvbytes, plan
 from dsattn.bench.compiles import compilations
 from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer, layer_caches, with_layer_caches
@@ -204,7 +204,9 @@ def time_prefill(model: Transformer, n: int, replay=None,
 
 
 def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
-    """Training tokens/s (forward, backward, AdamW update) at `seq_len` after one step."""
+    """Training tokens/s (forward, backward, AdamW update) at `seq_len` after one step, and
+    what that is in model FLOPs (dsattn.flops): per token, TFLOP/s, and MFU where the
+    device's peak is known."""
     from dsattn.train import Trainer
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len,
@@ -224,8 +226,11 @@ def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
             m = tr.train_step(batches[s], s)
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
+        rate = flops.TrainingRate(cfg, 1 if tr.mesh is None else tr.mesh.size)
     step = float(np.median(times))
-    return {"step_s": step, "tokens_per_s": batch * seq_len / step, "first_call_s": first}
+    tokens_per_s = batch * seq_len / step
+    return {"step_s": step, "tokens_per_s": tokens_per_s, "first_call_s": first,
+            "train_flops_per_token": rate.per_token, **rate.record(tokens_per_s)}
 
 
 def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:

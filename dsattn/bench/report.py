@@ -124,9 +124,13 @@ def fmt_table(result) -> str:
     trains = [(n, r["train"]) for n, r in result["presets"].items() if r["train"]]
     if trains:
         lines.append(f"\ntraining at sequence {result['args']['train_seq']}, batch "
-                     f"{result['args']['train_batch']}: tokens/s")
+                     f"{result['args']['train_batch']}: tokens/s, model TFLOP/s (dsattn.flops), "
+                     f"MFU where the device's peak is known")
         for n, t in trains:
-            lines.append(f"{n:8}{t['tokens_per_s']:>10.0f}")
+            tflops = t.get("model_tflops_per_s")  # absent from results saved before it
+            lines.append(f"{n:8}{t['tokens_per_s']:>10.0f}"
+                         + (f"{tflops:>10.4g}" if tflops is not None else "")
+                         + (f"{100 * t['mfu']:>8.2f}%" if t.get("mfu") is not None else ""))
     if peer.get("notes"):
         lines.append("\nHF peer (transformers DeepseekV4, PyTorch CPU): what is not matched")
         lines += [f"  - {n}" for n in peer["notes"]]
