@@ -97,7 +97,8 @@ def train_preset(settings: Settings, name: str, peak: float | None) -> dict:
                                  steps=settings.train_steps)
     per_token = flops.train_flops_per_token(cfg, settings.train_seq)
     tflops = got["tokens_per_s"] * per_token / 1e12
-    return {"preset": name, "dtype": cfg.model.dtype, "seq_len": settings.train_seq,
+    return {"preset": name, "dtype": cfg.model.dtype,
+            "param_dtype": getattr(cfg.model, "param_dtype", cfg.model.dtype), "seq_len": settings.train_seq,
             "batch": settings.train_batch, **got, "train_flops_per_token": per_token,
             "model_tflops_per_s": tflops, "mfu": tflops / peak if peak else None,
             "peak_bytes_in_use": _peak_bytes()}
@@ -176,10 +177,6 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None) -
         report["tests"] = attempt("tests", lambda: run_tests(
             settings.tests, root, timeout_s=max(left() * 0.4, 30)))
         record()
-    for name in settings.train_presets:
-        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak))
-        report["train"].extend([row] if row else [])
-        record()
     if settings.decode_presets:
         bw = attempt("bandwidth", lambda: device_bandwidth(
             1 << 30 if jax.default_backend() != "cpu" else 1 << 26))
@@ -188,6 +185,10 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None) -
             rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw))
             report["decode"].extend(rows or [])
             record()
+    for name in settings.train_presets:
+        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak))
+        report["train"].extend([row] if row else [])
+        record()
     record()
     return report
 
