@@ -43,7 +43,15 @@ class ModelConfig:
     ffn_hidden: int = 384
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
-    dtype: str = "float32"  # compute and parameter dtype
+    # Compute dtype: every layer computes in it (parameters cast to it where used); softmax,
+    # norms, the indexer's scores and top-k and the losses run in at least float32 whatever
+    # it is (docs/design.md, "Precision"). float32, bfloat16, float16 or float64.
+    dtype: str = "float32"
+    # Parameter dtype (and so the optimizer's moments): weights keep small updates in
+    # float32 under bfloat16 compute. Never narrower than `dtype`: parameters are stored in
+    # the wider of the two (jnp.promote_types), so model.dtype=float64 alone runs in exact
+    # float64. Run directories saved before it existed read it as their `dtype`.
+    param_dtype: str = "float32"
     init_std: float = 0.02
     max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
     # Run each repeated group of layers as one scan (plan.units): compiles in constant time
@@ -408,6 +416,7 @@ def _check_model(cfg: Config) -> None:
     _above_zero(m.norm_eps, "model.norm_eps")
     _above_zero(m.init_std, "model.init_std")
     _choice(m.dtype, DTYPES, "model.dtype")
+    _choice(m.param_dtype, DTYPES, "model.param_dtype")
     if m.remat not in ("none", "block") and not callable(
             getattr(jax.checkpoint_policies, m.remat, None)):
         raise ConfigError(f"model.remat: {m.remat!r} is not none, block or a "

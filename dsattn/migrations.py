@@ -1,5 +1,6 @@
 """What changed in saved run directories since they were first written, and how today's
-code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`), and
+code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`; e.g.
+`model.param_dtype`, which a run saved before it had equal to `model.dtype`), and
 parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
 `current_layout`, for params and optimizer moments alike), and scanned layouts that changed
 (`first_copies_unrolled`, `without_runs`). One place for every migration,
@@ -15,7 +16,8 @@ RENAMED = {("indexer", "topk"): "topk_method"}
 def upgrade_saved(raw: dict) -> dict:
     """A config dict a run directory saved (`Config.to_yaml`) in today's keys. A dump lists
     every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
-    was then `attention.head_dim`."""
+    was then `attention.head_dim`; one without `model.param_dtype` stored its parameters
+    (and optimizer moments) in `model.dtype`."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     att = raw.get("attention")
     if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
@@ -23,6 +25,8 @@ def upgrade_saved(raw: dict) -> dict:
     model = raw.get("model")
     if isinstance(model, dict) and "scan_layers" not in model:
         model["scan_layers"] = False  # trained before scanning existed: its layout unrolled
+    if isinstance(model, dict) and "param_dtype" not in model:
+        model["param_dtype"] = model.get("dtype", "float32")  # its checkpoint's dtype
     for (section, old), new in RENAMED.items():
         sec = raw.get(section)
         if isinstance(sec, dict) and old in sec:

@@ -26,6 +26,7 @@ from dsattn.config import Config
 from dsattn.errors import InputError
 from dsattn.nn.layers import Embedding, SwiGLU
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.nn.remat import in_order as remat_in_order
 from dsattn.plan import Family
 
@@ -115,7 +116,7 @@ class DecodeState:
 
 class Block(nnx.Module):
     def __init__(self, cfg: Config, spec: plan.LayerSpec, rngs: nnx.Rngs):
-        m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
+        m, dt = cfg.model, Precision.of(cfg.model)
         self.attn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
         self.attn = make_attention(cfg, spec, rngs)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
@@ -301,7 +302,7 @@ class ScannedBlocks(nnx.Module):
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        m, dt = cfg.model, jnp.dtype(cfg.model.dtype)
+        m, dt = cfg.model, Precision.of(cfg.model)
         self.embedding = Embedding(m.vocab_size, m.d_model, rngs, dt, m.tie_embeddings,
                                    m.init_std)
         specs = plan.resolve(cfg)

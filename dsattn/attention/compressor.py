@@ -34,6 +34,7 @@ from dsattn.attention.common import softmax_dtype
 from dsattn.cache.compressor_state import PoolState
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
@@ -55,7 +56,8 @@ def _pool_stats(z, c, axis):
 
 
 class Compressor(nnx.Module):
-    """Compresses every `ratio` tokens of a d_in-wide stream into one `width`-wide entry."""
+    """Compresses every `ratio` tokens of a d_in-wide stream into one `width`-wide entry.
+    `dtype`: the compute dtype or a Precision (parameters float32 by default)."""
 
     def __init__(self, d_in: int, width: int, ratio: int, *, overlap: bool, pos_bias: bool,
                  norm_eps: float, dtype, rngs: nnx.Rngs, std: float = 0.02):
@@ -64,14 +66,16 @@ class Compressor(nnx.Module):
         self.d_in, self.width, self.ratio = d_in, width, ratio
         self.overlap = overlap
         self.coff = 2 if overlap else 1
-        self.dtype = jnp.dtype(dtype)
+        prec = Precision.make(dtype)
+        self.dtype = prec.dtype
         out = self.coff * width
-        self.wkv = dense(d_in, out, rngs, self.dtype, std)
+        self.wkv = dense(d_in, out, rngs, prec, std)
         # m = 1 without overlap pools a single token: no gate, and a bias would be inert.
         gated = ratio > 1 or overlap
-        self.wgate = dense(d_in, out, rngs, self.dtype, std) if gated else None
-        self.ape = nnx.Param(jnp.zeros((ratio, out), self.dtype)) if pos_bias and gated else None
-        self.norm = RMSNorm(width, norm_eps, dtype=self.dtype)
+        self.wgate = dense(d_in, out, rngs, prec, std) if gated else None
+        self.ape = (nnx.Param(jnp.zeros((ratio, out), prec.param_dtype)) if pos_bias and gated
+                    else None)
+        self.norm = RMSNorm(width, norm_eps, dtype=prec)
 
     # -- shared pieces -----------------------------------------------------------------
     @property
@@ -101,8 +105,9 @@ class Compressor(nnx.Module):
         return self.ape[...].astype(self.stat_dtype).reshape(self.ratio, self.coff, self.width)
 
     def _finish(self, pooled):
-        """Pooled rows (statistics dtype) -> entries in the model dtype, RMS-normed."""
-        return self.norm(pooled.astype(self.dtype))
+        """Pooled rows (statistics dtype) -> entries in the compute dtype, RMS-normed (the
+        norm reads the pooled rows as they are: one rounding, after it)."""
+        return self.norm(pooled)
 
     # -- training forward --------------------------------------------------------------
     def block(self, x):

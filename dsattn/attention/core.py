@@ -12,6 +12,7 @@ from flax import nnx
 from dsattn.attention import blocks, reads
 from dsattn.attention.common import shared_mix, shared_scores, softmax_dtype, split_keys
 from dsattn.nn.layers import dense
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
@@ -94,17 +95,19 @@ class GroupedOutput(nnx.Module):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
+        self.dtype = dt.dtype
         self.g, self.h, self.c = a.o_groups, a.n_heads, a.entry_dim
         group_in = (self.h // self.g) * self.c
         init = nnx.initializers.normal(m.init_std)
-        self.wo_a = nnx.Param(init(rngs.params(), (self.g, group_in, a.o_lora_rank), dt))
+        self.wo_a = nnx.Param(init(rngs.params(), (self.g, group_in, a.o_lora_rank),
+                                   dt.param_dtype))
         self.wo_b = dense(self.g * a.o_lora_rank, m.d_model, rngs, dt, m.init_std)
 
     def __call__(self, o):
         b, t = o.shape[:2]
         o = o.reshape(b, t, self.g, -1)
-        z = jnp.einsum("btgi,gir->btgr", o, self.wo_a[...])
+        z = jnp.einsum("btgi,gir->btgr", o, self.wo_a[...].astype(self.dtype))
         return self.wo_b(z.reshape(b, t, -1))
 
 
@@ -114,7 +117,8 @@ class SinkAttentionOutput(nnx.Module):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         a = cfg.attention
-        self.sink = nnx.Param(jnp.zeros((a.n_heads,), jnp.dtype(cfg.model.dtype)))
+        # a logit of the softmax, which `attend` computes in at least float32
+        self.sink = nnx.Param(jnp.zeros((a.n_heads,), Precision.of(cfg.model).param_dtype))
         self.out = GroupedOutput(cfg, rngs)
         self.rope_dim, self.query_block, self.entry_block = (a.rope_dim, a.query_block,
                                                              a.entry_block)

@@ -22,6 +22,7 @@ from dsattn.cache import formats, paged
 from dsattn.cache.layer_caches import DSACache
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import LayerNorm, RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
@@ -29,7 +30,7 @@ class DSA(MLA):
     def __init__(self, cfg, spec, rngs: nnx.Rngs):
         super().__init__(cfg, spec, rngs)
         ix, m = cfg.indexer, cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
         self.key_rope, self.page_size = ix.rope_dim, cfg.cache.page_size
         self.fields = paged_fields(cfg, spec)  # "entry": [C^KV | K^R], "key": search key
         self.selector = IndexerSelector(cfg, spec, cfg.attention.q_lora_rank or m.d_model,

@@ -15,13 +15,14 @@ from flax import nnx
 from dsattn.attention import blocks
 from dsattn.attention.common import shared_scores, softmax_dtype
 from dsattn.nn.layers import dense
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
 class IndexerQuery(nnx.Module):
     def __init__(self, cfg, q_in: int, rngs: nnx.Rngs):
         ix, m = cfg.indexer, cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
         self.n, self.d, self.rope_dim = ix.n_heads, ix.head_dim, ix.rope_dim
         self.wq = dense(q_in, self.n * self.d, rngs, dt, m.init_std)
         self.w_heads = dense(m.d_model, self.n, rngs, dt, m.init_std)

@@ -9,13 +9,14 @@ from dsattn.cache import ring
 
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
 class LocalKV(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
         self.rope_dim = a.rope_dim
         self.wkv = dense(m.d_model, a.entry_dim, rngs, dt, m.init_std)
         self.norm = RMSNorm(a.entry_dim, m.norm_eps, dtype=dt)

@@ -12,13 +12,15 @@ from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, 
 from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MHACache
 from dsattn.nn.layers import dense
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope
 
 
 class MHA(nnx.Module):
     def __init__(self, cfg, spec, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
-        self.dtype = jnp.dtype(m.dtype)
+        prec = Precision.of(m)
+        self.dtype = prec.dtype
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.n_kv = a.n_kv_heads or a.n_heads
         self.theta = a.rope_theta
@@ -26,10 +28,10 @@ class MHA(nnx.Module):
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
         std = m.init_std
-        self.wq = dense(m.d_model, self.n_heads * self.head_dim, rngs, self.dtype, std)
-        self.wk = dense(m.d_model, self.n_kv * self.head_dim, rngs, self.dtype, std)
-        self.wv = dense(m.d_model, self.n_kv * self.head_dim, rngs, self.dtype, std)
-        self.wo = dense(self.n_heads * self.head_dim, m.d_model, rngs, self.dtype, std)
+        self.wq = dense(m.d_model, self.n_heads * self.head_dim, rngs, prec, std)
+        self.wk = dense(m.d_model, self.n_kv * self.head_dim, rngs, prec, std)
+        self.wv = dense(m.d_model, self.n_kv * self.head_dim, rngs, prec, std)
+        self.wo = dense(self.n_heads * self.head_dim, m.d_model, rngs, prec, std)
 
     def _qkv(self, x, positions):
         b, t, _ = x.shape

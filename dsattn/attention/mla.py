@@ -20,13 +20,15 @@ from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MLACache
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope
 
 
 class MLA(nnx.Module):
     def __init__(self, cfg, spec, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
-        self.dtype = jnp.dtype(m.dtype)
+        prec = Precision.of(m)
+        self.dtype = prec.dtype
         self.h, self.dc, self.dr = a.n_heads, a.kv_lora_rank, a.qk_rope_dim
         self.dn, self.dv = a.qk_nope_dim, a.v_head_dim
         self.theta = a.rope_theta
@@ -34,7 +36,7 @@ class MLA(nnx.Module):
         self.scale = (self.dn + self.dr) ** -0.5
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
-        d, std, dt = m.d_model, m.init_std, self.dtype
+        d, std, dt = m.d_model, m.init_std, prec
         qd = self.h * (self.dn + self.dr)
         if a.q_lora_rank:
             self.wq_a = dense(d, a.q_lora_rank, rngs, dt, std)
@@ -66,7 +68,9 @@ class MLA(nnx.Module):
         return jnp.concatenate([ckv, kr], axis=-1)
 
     def _up(self):
-        w = self.wkv_b.kernel[...].reshape(self.dc, self.h, self.dn + self.dv)
+        # read as a weight, not through the layer: cast to the compute dtype as it would be
+        w = self.wkv_b.kernel[...].astype(self.dtype).reshape(self.dc, self.h,
+                                                               self.dn + self.dv)
         return w[..., : self.dn], w[..., self.dn:]  # W^UK [dc,H,dn], W^UV [dc,H,dv]
 
     # -- naive path --------------------------------------------------------------------

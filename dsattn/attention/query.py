@@ -1,18 +1,18 @@
 """V4-family queries: a low-rank query latent c^Q, per-head queries of width c, optional
 per-head unweighted RMS norm (V4 on, V4.1 off), RoPE on the last r dims."""
 
-import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm, rms_normalize
+from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
 class Query(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m = cfg.attention, cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
         self.h, self.c, self.rope_dim = a.n_heads, a.entry_dim, a.rope_dim
         self.head_norm, self.eps = a.query_norm, m.norm_eps
         self.wq_a = dense(m.d_model, a.q_lora_rank, rngs, dt, m.init_std)

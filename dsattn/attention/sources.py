@@ -22,6 +22,7 @@ from dsattn.attention.reads import Entries
 from dsattn.cache import formats, paged
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
+from dsattn.nn.precision import Precision
 from dsattn.plan import Key, LayerSpec, Source
 
 
@@ -39,7 +40,7 @@ class CompressedKeys(nnx.Module):
         m, ix = cfg.model, cfg.indexer
         self.compressor = Compressor(m.d_model, ix.head_dim, ratio, overlap=True,
                                      pos_bias=True, norm_eps=m.norm_eps,
-                                     dtype=jnp.dtype(m.dtype), rngs=rngs, std=m.init_std)
+                                     dtype=Precision.of(m), rngs=rngs, std=m.init_std)
 
     def block(self, entry_compressor, src, pre_rope):
         return self.compressor, self.compressor.block(jax.lax.stop_gradient(src))
@@ -59,7 +60,7 @@ class ProjectedKeys(nnx.Module):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         a, m, ix = cfg.attention, cfg.model, cfg.indexer
-        dt = jnp.dtype(m.dtype)
+        dt = Precision.of(m)
         self.key_proj = dense(a.entry_dim, ix.head_dim, rngs, dt, m.init_std)
         self.key_norm = RMSNorm(ix.head_dim, m.norm_eps, dtype=dt)
 
@@ -83,8 +84,8 @@ class OwnEntries(nnx.Module):
 
     def __init__(self, cfg, spec: LayerSpec, theta: float, rngs: nnx.Rngs):
         a, m, c = cfg.attention, cfg.model, cfg.cache
-        dt = jnp.dtype(m.dtype)
-        self.spec, self.theta, self.dtype = spec, theta, dt
+        dt = Precision.of(m)
+        self.spec, self.theta, self.dtype = spec, theta, dt.dtype
         self.rope_dim, self.key_rope = a.rope_dim, cfg.indexer.rope_dim
         self.page_size, self.fake_quant = c.page_size, c.fake_quant
         self.fields = paged_fields(cfg, spec)

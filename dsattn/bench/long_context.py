@@ -47,6 +47,50 @@ def train_step_memory(cfg, seq_len: int, batch: int = 1) -> dict:
             "argument_bytes": int(mem.argument_size_in_bytes)}
 
 
+def _saved_residuals(f, *args):
+    """jax's list of (aval, where it comes from) that `print_saved_residuals` prints (jax
+    0.10 exports only the printing one)."""
+    fn = getattr(jax.ad_checkpoint, "saved_residuals", None)
+    if fn is None:
+        from jax._src.ad_checkpoint import saved_residuals as fn
+    return fn(f, *args)
+
+
+def saved_residuals(cfg, seq_len: int, batch: int = 1) -> dict:
+    """What the training step's backward pass keeps from its forward: the residuals of the
+    loss's gradient (`jax.ad_checkpoint.saved_residuals`, from shapes alone), in bytes by
+    dtype name, the parameters and the batch (held anyway) left out. Under `model.remat` (or
+    whole blocks from `model.remat_block_from` tokens on) they are what the policy saves;
+    with bfloat16 compute the saved matmul outputs are bfloat16."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+
+    def loss(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch, jnp.int32(0))[0]
+
+    by_dtype: dict[str, int] = {}
+    for aval, source in _saved_residuals(loss, params, {"inputs": tokens, "targets": tokens}):
+        if source.startswith("from the argument"):
+            continue
+        name = jnp.dtype(aval.dtype).name
+        by_dtype[name] = by_dtype.get(name, 0) + aval.size * aval.dtype.itemsize
+    return by_dtype
+
+
+def precision_memory(config_path, seq_len: int, dtypes=("float32", "bfloat16"),
+                     *overrides: str) -> list[dict]:
+    """One row per compute dtype (parameters float32): the training step's saved residual
+    bytes by dtype (`saved_residuals`) and the compiled step's temporaries
+    (`train_step_memory`), at `seq_len`, batch 1."""
+    rows = []
+    for dtype in dtypes:
+        cfg = at_length(config_path, seq_len, *overrides, f"model.dtype={dtype}")
+        res = saved_residuals(cfg, seq_len)
+        rows.append({"dtype": dtype, "seq_len": seq_len, "residual_bytes": sum(res.values()),
+                     "residuals_by_dtype": res, **train_step_memory(cfg, seq_len)})
+    return rows
+
+
 def run(config_dir, presets=PRESETS, lengths=LENGTHS, *overrides: str,
         max_step_s: float = 60.0, steps: int = 2, log=print) -> list[dict]:
     """One row per (preset, length): temp bytes always; tokens/s while a preset's previous

@@ -1,12 +1,20 @@
-"""Dense projections, the SwiGLU feed-forward block and token embeddings."""
+"""Dense projections, the SwiGLU feed-forward block and token embeddings.
+
+`dtype` is the compute dtype, or a `Precision` (compute and parameter dtypes); parameters are
+created in the parameter dtype (float32 by default, never narrower than the compute dtype)
+and cast to the compute dtype where they are used (Flax's dtype / param_dtype)."""
 
 import jax
 from flax import nnx
 
+from dsattn.nn.precision import Precision
 
-def dense(din: int, dout: int, rngs: nnx.Rngs, dtype, std: float = 0.02):
+
+def dense(din: int, dout: int, rngs: nnx.Rngs, dtype, std: float = 0.02, *,
+          param_dtype=None):
     """A bias-free linear layer with a truncated-normal-free simple normal init."""
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype,
+    p = Precision.make(dtype, param_dtype)
+    return nnx.Linear(din, dout, use_bias=False, dtype=p.dtype, param_dtype=p.param_dtype,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
@@ -25,9 +33,10 @@ class Embedding(nnx.Module):
 
     def __init__(self, vocab: int, d_model: int, rngs: nnx.Rngs, dtype, tied: bool,
                  std: float = 0.02):
-        self.embed = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=dtype,
+        p = Precision.make(dtype)
+        self.embed = nnx.Embed(vocab, d_model, dtype=p.dtype, param_dtype=p.param_dtype,
                                embedding_init=nnx.initializers.normal(std), rngs=rngs)
-        self.head = None if tied else dense(d_model, vocab, rngs, dtype, std)
+        self.head = None if tied else dense(d_model, vocab, rngs, p, std)
 
     def __call__(self, tokens):
         return self.embed(tokens)
