@@ -4,8 +4,13 @@ lock that keeps one writer per directory.
 A run directory holds `config.yaml` (rewritten on resume; its model sections never change),
 `metrics.jsonl`, `checkpoints/` and `.lock`. Restoring checks the saved config first, so a
 checkpoint is never loaded into a model of another shape: the error names the first differing
-key; the checkpoint's own tree is checked too (parameter path and both shapes). A damaged
-checkpoint is skipped, with a warning, for the newest one that loads.
+key; the checkpoint's own tree is checked too (parameter path and both shapes). Each step a
+Trainer saves gets a manifest of its files' sizes and hashes once committed (dsattn.manifest);
+every restore goes through `restore_latest`, which checks it first. A damaged step (changed,
+truncated or missing file, lost or garbled manifest, or a step orbax cannot read) is skipped
+with a warning naming the step, the file and the problem, for the newest step that verifies;
+`strict` refuses instead. Nothing damaged is restored; steps saved before manifests load
+unverified, with a warning.
 
 Sharded arrays (a Trainer on a mesh, dsattn.sharding) are saved as the shards each process's
 devices hold; `restore` reads into the shardings of the arrays it is given, so a checkpoint
@@ -20,6 +25,7 @@ import fcntl
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +36,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import migrations, plan
+from dsattn import manifest, migrations, plan
 from dsattn.errors import (CheckpointCorrupt, CheckpointMismatch,  # noqa: F401 (re-exported)
                            CheckpointWriteError, RunDirLocked)
 
@@ -39,9 +45,12 @@ MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
 # Keys of those sections that change how weights are laid out, not what they compute: a run
 # restores across them (see `layouts`).
 LAYOUT_KEYS = {("model", "scan_layers")}
-# Keys that choose how a program runs (block sizes), not what it computes: free on resume.
+# Keys that choose how a program runs (block sizes, remat, micro-batches), not what it
+# computes: free on resume (train.grad_accum is in no model section, so check_compatible never
+# compares it; it is listed to classify it, and DATA_ORDER_KEYS leave it out).
 EXECUTION_KEYS = {("attention", "query_block"), ("attention", "entry_block"),
-                  ("indexer", "key_block"), ("model", "remat"), ("model", "remat_block_from")}
+                  ("indexer", "key_block"), ("model", "remat"), ("model", "remat_block_from"),
+                  ("train", "grad_accum")}
 
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
@@ -193,10 +202,43 @@ def remove_unfinished(directory, step: int | None = None) -> list[str]:
     return gone
 
 
-def save(mngr: ocp.CheckpointManager, step: int, **items) -> None:
-    """Save named pytrees (e.g. params=..., opt_state=...) as one checkpoint step."""
+def save(mngr: ocp.CheckpointManager, step: int, *, with_manifest: bool = False,
+         **items) -> Commit | None:
+    """Save named pytrees (e.g. params=..., opt_state=...) as one checkpoint step; orbax
+    writes it in the background. `with_manifest`: the step records that a manifest follows, and
+    the returned Commit writes it once orbax has committed the step (wait for it)."""
     mngr.save(step, args=ocp.args.Composite(
-        **{k: ocp.args.StandardSave(v) for k, v in items.items()}), force=True)
+        **{k: ocp.args.StandardSave(v) for k, v in items.items()}), force=True,
+        custom_metadata={manifest.PROMISE: manifest.MANIFEST} if with_manifest else None)
+    return Commit(mngr, step) if with_manifest else None
+
+
+class Commit:
+    """A step orbax is committing, then its manifest: a thread waits for the commit and
+    hashes the files (hashlib runs without the GIL, so training goes on meanwhile). `wait`
+    joins it and raises what it raised (a storage failure). Only process 0 writes the
+    manifest; the step's files are all on disk once orbax has committed it."""
+
+    def __init__(self, mngr: ocp.CheckpointManager, step: int):
+        self.step, self._error = step, None
+        # not a daemon: an interpreter exiting on an error still writes the manifest
+        self._thread = threading.Thread(target=self._commit, args=(mngr,),
+                                        name=f"dsattn-commit-{step}")
+        self._thread.start()
+
+    def _commit(self, mngr):
+        try:
+            mngr.wait_until_finished()
+            if jax.process_index() == 0:
+                manifest.write(_step_dir(mngr, self.step))
+        except BaseException as e:  # noqa: BLE001 (raised again in the waiting thread)
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 # tensorstore's status codes for a storage failure (orbax's writes raise them as ValueError).
@@ -291,24 +333,59 @@ def _mapped(fn, tree):
     return fn(tree)
 
 
-def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool = False,
-                   layouts=(), **like) -> tuple[int | None, dict | None]:
-    """(step, items) of the newest checkpoint (among `steps`, default all) that loads, shaped
-    like the given pytrees; (None, None) if there is no checkpoint.
+def verify(mngr: ocp.CheckpointManager, step: int, items=None) -> bool:
+    """True if the step's files (its own and those of `items`, default all) match its
+    manifest, False if it was saved without one; manifest.Damaged naming the file if not."""
+    return manifest.verify(_step_dir(mngr, step), items)
 
-    A step that does not load (truncated or missing files) is skipped with a warning naming it
-    and why; `set_aside=True` (the run's writer) renames the skipped ones to
-    `<step>.corrupt-<time>` once an older one loads, so the run saves those steps afresh and
-    nothing is deleted. If none loads: CheckpointCorrupt, nothing renamed. A tree that differs
-    from `like` is CheckpointMismatch, not damage: every step of a run has the same tree.
-    `layouts` ((to_saved, to_current) pairs, see `layouts`) are other layouts a step may
-    have been saved in: such a step is restored in its own layout and mapped to `like`'s.
+
+def last_good(mngr: ocp.CheckpointManager, items=None) -> tuple[int | None, list]:
+    """(the newest step that verifies or was saved without a manifest, [(newer step, what is
+    wrong)]): what a resume would restore, without restoring it."""
+    bad = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            verify(mngr, step, items)
+        except manifest.Damaged as e:
+            bad.append((step, str(e)))
+            continue
+        return step, bad
+    return None, bad
+
+
+def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool = False,
+                   strict: bool = False, layouts=(), **like) -> tuple[int | None, dict | None]:
+    """(step, items) of the newest checkpoint (among `steps`, default all) that verifies and
+    loads, shaped like the given pytrees; (None, None) if there is no checkpoint.
+
+    Each step is checked against its manifest first, for the items restored (the step's own
+    files and theirs): a step that does not verify, or that orbax cannot read, is skipped with
+    one warning naming it, the file, what is wrong and the step used instead. `strict`
+    refuses the fallback (CheckpointCorrupt, nothing restored or renamed). A step saved
+    without a manifest (an earlier dsattn) loads with a warning that it is unverified.
+    `set_aside=True` (the run's writer) renames the skipped ones to `<step>.corrupt-<time>`
+    once an older one loads, so the run saves those steps afresh and nothing is deleted. If
+    none loads: CheckpointCorrupt, nothing renamed. A tree that differs from `like` is
+    CheckpointMismatch, not damage: every step of a run has the same tree. `layouts`
+    ((to_saved, to_current) pairs, see `layouts`) are other layouts a step may have been
+    saved in: such a step is restored in its own layout and mapped to `like`'s.
     """
     skipped = []
     alternatives = [(alt, back) for alt, back in (
         ({k: _mapped(to_saved, v) for k, v in like.items()}, to_current)
         for to_saved, to_current in layouts) if jax.tree.structure(alt) != jax.tree.structure(like)]
     for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
+        try:
+            verified = verify(mngr, step, set(like))
+        except manifest.Damaged as e:
+            skipped.append((step, str(e)))
+            continue
+        if strict and skipped:  # before anything is read or renamed
+            raise CheckpointCorrupt(
+                f"{mngr.directory}: "
+                + "; ".join(f"checkpoint step {s} does not verify ({why})" for s, why in skipped)
+                + f"; strict refuses to fall back to step {step}, the newest that verifies "
+                  f"(resume without --strict to use it)")
         try:
             differences = _tree_differences(mngr, step, like)
             for alt, back in alternatives if differences else ():
@@ -321,14 +398,19 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
                     items = restore(mngr, step, **like)
         except Exception as e:  # noqa: BLE001 (any failure to read is a damaged checkpoint)
             skipped.append((step, _reason(e)))
-            warnings.warn(f"{mngr.directory}: skipping checkpoint step {step}: it does not load "
-                          f"({skipped[-1][1]})", stacklevel=2)
             continue
         if differences:
             more = f"; and {len(differences) - 3} more" if len(differences) > 3 else ""
             raise CheckpointMismatch(
                 f"{_step_dir(mngr, step)} does not fit this config: "
                 f"{'; '.join(differences[:3])}{more}")
+        for bad, why in skipped:
+            warnings.warn(f"{mngr.directory}: skipping checkpoint step {bad}: it does not load "
+                          f"({why}); using step {step}, the newest that "
+                          f"{'verifies' if verified else 'loads'}", stacklevel=2)
+        if not verified:
+            warnings.warn(f"{mngr.directory}: checkpoint step {step} has no manifest (saved by "
+                          f"an earlier dsattn), so its content is not verified", stacklevel=2)
         if set_aside and skipped:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for bad, _ in skipped:
@@ -338,15 +420,22 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
                               f"resuming from step {step}", stacklevel=2)
             mngr.reload()
         return step, items
+    if steps is not None and len(skipped) == 1:  # the step asked for
+        raise CheckpointCorrupt(f"{mngr.directory}: checkpoint step {skipped[0][0]} does not "
+                                f"load ({skipped[0][1]})")
+    for bad, why in skipped:
+        warnings.warn(f"{mngr.directory}: skipping checkpoint step {bad}: it does not load "
+                      f"({why})", stacklevel=2)
     if skipped:
         raise CheckpointCorrupt(f"{mngr.directory}: no checkpoint loads: "
                                 + "; ".join(f"step {s}: {why}" for s, why in skipped))
     return None, None
 
 
-def load_params(run_dir, cfg=None, step: int | None = None):
+def load_params(run_dir, cfg=None, step: int | None = None, *, strict: bool = False):
     """A Transformer with the latest (or given) checkpoint's parameters, and its config. The
-    latest is the newest that loads: damaged ones are skipped with a warning."""
+    latest is the newest whose parameters verify and load: damaged ones are skipped with a
+    warning (`strict`: refused, CheckpointCorrupt); a given step that is damaged is refused."""
     from flax import nnx
 
     from dsattn.model import Transformer
@@ -361,7 +450,8 @@ def load_params(run_dir, cfg=None, step: int | None = None):
     # Shapes only: the weights come from the checkpoint, so none are initialised.
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     step, restored = restore_latest(mngr, steps=None if step is None else [step],
-                                    layouts=layouts(cfg), params=nnx.to_pure_dict(state))
+                                    strict=strict, layouts=layouts(cfg),
+                                    params=nnx.to_pure_dict(state))
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to load")
     nnx.replace_by_pure_dict(state, restored["params"])

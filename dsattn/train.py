@@ -132,9 +132,9 @@ class Trainer:
             self.step = 0
             self.mngr = checkpoint.manager(self.run_dir, cfg.train.keep_checkpoints,
                                            writer=self.primary)
-            step, restored = checkpoint.restore_latest(
-                self.mngr, set_aside=self.primary, layouts=checkpoint.layouts(cfg),
-                params=self.params, opt_state=self.opt_state)
+            step, restored = checkpoint.restore_latest(  # the newest step that verifies
+                self.mngr, set_aside=self.primary, strict=strict,
+                layouts=checkpoint.layouts(cfg), params=self.params, opt_state=self.opt_state)
             if step is not None:
                 self.params, self.opt_state = restored["params"], restored["opt_state"]
                 if self.mesh is not None:  # a relaid-out restore may come back in any layout
@@ -144,7 +144,7 @@ class Trainer:
                 self._warn_if_schedule_changed(saved)
             changed = self._data_order_changes(saved, strict) if step is not None else {}
             self._saved = self.mngr.latest_step()  # == self.step, or None: nothing saved yet
-            self._in_flight = None  # the step orbax is committing in the background
+            self._in_flight = None  # checkpoint.Commit of the step being committed
             if self.primary:
                 self._cut_metrics()
                 if changed:
@@ -237,16 +237,61 @@ class Trainer:
         return nnx.merge(self.graphdef, state)
 
     def _step_impl(self, params, opt_state, batch, step):
-        def f(p):
-            return loss_fn(self._model(p), batch, step)
-
-        (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+        metrics, grads = self._loss_and_grads(params, batch, step)
         if self.mesh is not None:  # gradients split like their parameters (FSDP: reduce-scatter)
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["lr"] = self.schedule(step)  # the rate this update used (count == step)
         return optax.apply_updates(params, updates), opt_state, metrics
+
+    def _loss_and_grads(self, params, batch, step):
+        """(metrics, gradients) of loss_fn on the whole batch. With train.grad_accum = N > 1
+        a lax.scan runs N micro-batches of B/N rows, summing their gradients (only one
+        micro-batch's activations live at a time; one compiled body): each micro-batch's
+        cross-entropy counts by its share of the batch's loss weight (1/N without weights),
+        its auxiliary losses and other metrics by 1/N, so the sums are the whole batch's
+        values. (The indexer's KL loss is a mean over queries with target mass; which
+        queries have it depends on position, the same in every row unless an attention
+        probability underflows to 0.)"""
+        n = self.cfg.train.grad_accum
+        if n == 1:
+            f = lambda p: loss_fn(self._model(p), batch, step)  # noqa: E731
+            (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+            return metrics, grads
+        # Micro-batch i = rows i::N ([B, ...] -> [N, B/N, ...]): the rows a data/fsdp shard
+        # holds split evenly over the micro-batches, so each stays spread over the mesh.
+        micro = jax.tree.map(lambda x: jnp.swapaxes(
+            x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
+        if self.mesh is not None:
+            micro = {k: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec(
+                    None, *sharding.batch_sharding(self.mesh, x.shape[1:]).spec)))
+                for k, x in micro.items()}
+        if "weights" in micro:  # weighted_mean: S_i / W_i, counted by W_i / W
+            w = micro["weights"].astype(jnp.result_type(float)).reshape(n, -1).sum(1)
+            shares = w / jnp.maximum(w.sum(), 1e-6)
+        else:
+            shares = jnp.full((n,), 1 / n, jnp.result_type(float))
+
+        def one(grad_sum, xs):
+            mb, share = xs
+
+            def f(p):
+                _, m = loss_fn(self._model(p), mb, step)
+                out = {k: v / n for k, v in m.items()}
+                out["ce"] = m["ce"] * share.astype(m["ce"].dtype)
+                out["loss"] = out["ce"] + (m["loss"] - m["ce"]) / n  # + auxiliary losses
+                return out["loss"], out
+
+            (_, m), g = jax.value_and_grad(f, has_aux=True)(params)
+            if self.mesh is not None:  # the sum split like the parameters (FSDP)
+                g = jax.lax.with_sharding_constraint(g, self.param_shardings)
+            return jax.tree.map(jnp.add, grad_sum, g), m
+
+        grads, metrics = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params),
+                                      (micro, shares))
+        return jax.tree.map(lambda x: x.sum(0), metrics), grads
 
     def _eval_impl(self, params, batch):  # the held-out cross-entropy (dsattn.evaluate)
         nll = outputs(self._model(params), batch["inputs"], batch["targets"])["nll"]
@@ -283,14 +328,17 @@ class Trainer:
         self._finish_saves()  # a failure of the save before is reported as that save's
         with self._writing(f"the checkpoint of step {self.step} to {self.mngr.directory}",
                            self.step):
-            checkpoint.save(self.mngr, self.step, params=self.params, opt_state=self.opt_state)
-        self._saved = self._in_flight = self.step
+            self._in_flight = checkpoint.save(self.mngr, self.step, with_manifest=True,
+                                              params=self.params, opt_state=self.opt_state)
+        self._saved = self.step
 
     def _finish_saves(self):
-        """Wait for the checkpoint in flight to be committed."""
-        step, self._in_flight = self._in_flight, None
+        """Wait for the checkpoint in flight to be committed and its manifest written (in
+        the background since `save`: training waits only if it is not done yet)."""
+        commit, self._in_flight = self._in_flight, None
+        step = commit.step if commit is not None else None
         with self._writing(f"the checkpoint of step {step} to {self.mngr.directory}", step):
-            self.mngr.wait_until_finished()
+            commit.wait() if commit is not None else self.mngr.wait_until_finished()
 
     @contextlib.contextmanager
     def _writing(self, what: str, step: int | None = None):
@@ -418,9 +466,11 @@ class Trainer:
             for r, loss in zip(runs, metrics["loss"]):
                 if not math.isfinite(loss):
                     self._finish_saves()
-                    where = (f"the last good checkpoint is step {r._saved} in "
-                             f"{r.run_dir / 'checkpoints'}" if r._saved is not None
-                             else "no checkpoint was saved yet")
+                    good, bad = checkpoint.last_good(r.mngr)  # what a rerun resumes from
+                    where = (f"the last good checkpoint is step {good} in "
+                             f"{r.run_dir / 'checkpoints'}" if good is not None
+                             else "no good checkpoint" if bad else "no checkpoint was saved yet")
+                    where += "".join(f" (step {s} does not verify: {why})" for s, why in bad)
                     raise NonFiniteLoss(f"{'' if r is self else f'{r.run_dir}: '}training "
                                         f"loss became {loss} at step {self.step + 1}; {where}")
             self.step += 1
