@@ -153,6 +153,9 @@ class TrainConfig:
     # Peak TFLOP/s of one device, for the MFU training logs; 0: jax's device_kind looked
     # up in dsattn.flops.PEAK_TFLOPS (a device not there logs no MFU).
     peak_tflops: float = 0.0
+    # Micro-batches per optimizer step (batch_size / grad_accum rows each), their gradients
+    # summed in a scan: batch_size stays the step's batch, so only memory changes.
+    grad_accum: int = 1
 
 
 @dataclass(frozen=True)
@@ -508,8 +511,11 @@ def _check_cache(cfg: Config) -> None:
 def _check_train(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     for key in ("batch_size", "seq_len", "steps", "eval_every", "eval_batches", "ckpt_every",
-                "keep_checkpoints", "log_every"):
+                "keep_checkpoints", "log_every", "grad_accum"):
         _positive(getattr(t, key), f"train.{key}")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.grad_accum: {t.grad_accum} must divide train.batch_size="
+                          f"{t.batch_size} (each micro-batch has batch_size / grad_accum rows)")
     if t.seq_len > m.max_seq_len:  # the model's position limit (a huge one would only OOM)
         raise ConfigError(f"train.seq_len: {t.seq_len} exceeds model.max_seq_len="
                           f"{m.max_seq_len}")

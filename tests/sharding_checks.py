@@ -12,6 +12,7 @@ Prints one JSON object: {check name: value}; the pytest side asserts on them.
 import concurrent.futures
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -175,9 +176,22 @@ def init_checks(out: dict):
     out["init/total_bytes"], out["init/largest_bytes"] = int(sum(sizes)), int(max(sizes))
 
 
+def step_counting_int_collectives(trainer: Trainer, batch) -> dict:
+    """One step of `trainer` on `batch`; {op: count} of the collectives its compiled program
+    runs on integer arrays (token rows moving between devices)."""
+    with jax.set_mesh(trainer.mesh):
+        args = (trainer.params, trainer.opt_state, trainer._batch(batch), jnp.int32(0))
+        compiled = trainer._train_step.lower(*args).compile()
+        trainer.params, trainer.opt_state, _ = compiled(*args)
+    ops = re.findall(r"= \(?[su]\d+\[[^\n]*? (all-gather|all-to-all|collective-permute|"
+                     r"all-reduce|reduce-scatter)(?:-start)?\(", compiled.as_text())
+    return {op: ops.count(op) for op in sorted(set(ops))}
+
+
 def train_checks(out: dict, run_root: str, tokens):
-    """One sharded train step vs one single-device step; the split of params and moments;
-    a checkpoint saved on (4, 1, 2) restored on (1, 1, 8)."""
+    """One sharded train step vs one single-device step, and in two micro-batches
+    (train.grad_accum) on (2, 2, 2); the split of params and moments; a checkpoint saved on
+    (4, 1, 2) restored on (1, 1, 8)."""
     base = preset(TRAIN_PRESET, *SMALL)
     single = Trainer(base, os.path.join(run_root, "single"), quiet=True)
     batch = {k: np.asarray(v) for k, v in single.val_batches[0].items()}
@@ -188,11 +202,20 @@ def train_checks(out: dict, run_root: str, tokens):
         cfg = preset(TRAIN_PRESET, *SMALL, *mesh_args(shape))
         tr = Trainer(cfg, os.path.join(run_root, f"mesh{shape}"), quiet=True)
         out[f"train/{shape}/sharded"] = tr.mesh is not None
-        tr.train_step(batch, 0)
+        if shape == (2, 2, 2):
+            out["train/int_collectives"] = step_counting_int_collectives(tr, batch)
+        else:
+            tr.train_step(batch, 0)
         out[f"train/{shape}"] = max_diff(tr.params, want)
         if shape == (2, 2, 2):
             split_checks(out, tr)
         out[f"time/train{shape}"] = time.perf_counter() - T0
+    # The same step in two micro-batches of 4 rows (train.grad_accum), one row per device
+    accum = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args((2, 2, 2)), "train.grad_accum=2"),
+                    os.path.join(run_root, "accum"), quiet=True)
+    out["train/accum/int_collectives"] = step_counting_int_collectives(accum, batch)
+    out["train/accum"] = max_diff(accum.params, want)
+    out["time/train_accum"] = time.perf_counter() - T0
 
     # Saved on (4, 1, 2) with the stepped parameters and moments (as Trainer.save does),
     # restored on (1, 1, 8) by a Trainer.

@@ -71,6 +71,14 @@ def test_sharded_train_step_matches_one_device(report, mesh):
     assert report[f"train/{mesh}"] <= 1e-11  # parameters after one AdamW step, float64
 
 
+def test_accumulated_train_step_on_a_mesh(report):
+    """train.grad_accum=2 on (2, 2, 2): the same parameters as one device's whole-batch step,
+    and micro-batch i = rows i::2 keeps each micro-batch's rows where the batch's are (one
+    per device): no collective on token rows beyond the whole-batch step's."""
+    assert report["train/accum"] <= 1e-11
+    assert report["train/accum/int_collectives"] == report["train/int_collectives"]
+
+
 def test_parameters_and_moments_are_split(report):
     """On (data, fsdp, tensor) = (2, 2, 2): FFN and head weights over fsdp and tensor, the
     embedding's vocabulary rows over both; Adam's moments split like their
