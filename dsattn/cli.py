@@ -2,8 +2,10 @@
 
 A user's mistake ends a script with one line on stderr: a `DsattnError` (bad config value,
 mismatched checkpoint, exhausted cache, ...) or a missing file exits with status 1, a bad
-argument with status 2. Anything else is a bug and keeps its traceback. `--debug` (or
-DSATTN_DEBUG=1) keeps the traceback for user errors too, and orbax's logged tracebacks.
+argument with status 2. Anything else is a bug and keeps its traceback. A warning is one
+line too (`script.py: warning: message`), not Python's file, line number and source line.
+`--debug` (or DSATTN_DEBUG=1) keeps the traceback for user errors too, Python's form of
+warnings, and orbax's logged tracebacks.
 
     def main(argv=None):
         ap = cli.parser(__doc__, overrides=True)
@@ -21,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 
 from dsattn.errors import DsattnError
 
@@ -114,6 +117,9 @@ def run(main, argv=None):
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(_without_traceback)  # once, however many runs
         sys.unraisablehook = _unraisable
+    shown = warnings.showwarning
+    if not debug:
+        warnings.showwarning = _warning_line(prog)
     try:
         status = main(args)
     except USER_ERRORS as e:
@@ -126,7 +132,19 @@ def run(main, argv=None):
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        warnings.showwarning = shown  # run() may be called in-process (tests)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def _warning_line(prog: str):
+    """warnings.showwarning that prints a warning as a message: one line, no source."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        try:
+            print(f"{prog}: warning: {_one_line(message)}", file=file or sys.stderr, flush=True)
+        except OSError:  # stderr gone (a closed pipe): as Python's own hook, say nothing
+            pass
+    return show
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:

@@ -3,6 +3,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,51 @@ def test_run_keeps_tracebacks_for_bugs(capsys):
         cli.run(lambda argv: 1 / 0, [])
     with pytest.raises(ConfigError):
         cli.run(user_error, ["--debug"])
+
+
+def flip_params(run, step):
+    """Invert 64 bytes in the middle of the step's largest params file; its path in the step."""
+    d = run / "checkpoints" / str(step)
+    f = max((p for p in (d / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2:len(b) // 2 + 64] = bytes(x ^ 0xFF for x in b[len(b) // 2:len(b) // 2 + 64])
+    f.write_bytes(bytes(b))
+    return f.relative_to(d).as_posix()
+
+
+def test_warnings_are_one_line_without_source(run_dir, tmp_path):
+    """A warning for the user (here: a resume that rebuilds the schedule) is a message, not the
+    line of code that raised it."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    p = script("train", "configs/tiny/mha.yaml", "--run-dir", run, "--quiet", *TINY,
+               "train.steps=3")
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 0, p.stderr.decode()
+    assert len(err) == 1 and err[0].startswith("train.py: warning: ") and \
+        "train.steps 2 -> 3" in err[0], err
+
+
+def test_damaged_checkpoint_warns_in_one_line_and_the_one_before_is_used(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    name = flip_params(run, 2)
+    p = script("generate", run, "--max-new", "4")
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 0, p.stderr.decode()
+    assert len(err) == 2 and err[1].endswith("checkpoint step 1]"), err
+    assert err[0].startswith("generate.py: warning: ") and "skipping checkpoint step 2" in err[0]
+    assert f"({name}: content differs" in err[0] and "using step 1" in err[0], err
+    p = script("generate", run, "--max-new", "4", "--debug")  # the full detail: where, what
+    err = p.stderr.decode()
+    assert p.returncode == 0 and "UserWarning" in err and ".py:" in err, err
+    p = script("generate", run, "--max-new", "4", "--step", "2")  # asked for: refused
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "checkpoint step 2 does not load" in err[0]
+    p = script("eval", run, "--seq-len", "16", "--quiet")
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 0 and b"(step 1)" in p.stdout, p.stderr.decode()
+    assert len(err) == 1 and "skipping checkpoint step 2" in err[0], err
 
 
 def test_overrides_anywhere_on_the_line():
