@@ -128,7 +128,8 @@ def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]
     the roofline: the cache bytes the step must read (kvbytes) plus the weights, over the
     measured bandwidth."""
     longest = max(settings.contexts)
-    cfg = preset(settings, name, f"model.max_seq_len={longest + 64}")
+    trained = preset(settings, name).train.seq_len  # max_seq_len must still hold it
+    cfg = preset(settings, name, f"model.max_seq_len={max(longest + 64, trained)}")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     weights = measures.param_bytes(model)
     rows = []
