@@ -282,7 +282,7 @@ def write_error(mngr: ocp.CheckpointManager, e: BaseException, what: str,
         elif removed:
             parts.append("removed its unfinished files")
     mngr.reload()  # what is on disk: orbax drops a failed step from its own list
-    last = mngr.latest_step()
+    last = last_good(mngr)[0]  # a step committed without its manifest is not resumed from
     parts.append(f"the last complete checkpoint is step {last}; rerun the same command to "
                  f"resume from it" if last is not None else
                  "no checkpoint is complete yet (a rerun starts over)")
@@ -384,7 +384,8 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
             raise CheckpointCorrupt(
                 f"{mngr.directory}: "
                 + "; ".join(f"checkpoint step {s} does not verify ({why})" for s, why in skipped)
-                + f"; strict refuses to fall back to step {step}, the newest that verifies "
+                + f"; strict refuses to fall back to step {step}, the newest that "
+                  f"{'verifies' if verified else 'loads (saved without a manifest)'} "
                   f"(resume without --strict to use it)")
         try:
             differences = _tree_differences(mngr, step, like)
@@ -404,21 +405,21 @@ def restore_latest(mngr: ocp.CheckpointManager, *, steps=None, set_aside: bool =
             raise CheckpointMismatch(
                 f"{_step_dir(mngr, step)} does not fit this config: "
                 f"{'; '.join(differences[:3])}{more}")
-        for bad, why in skipped:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for bad, why in skipped:  # one line each: step, file, problem, what happens instead
+            moved = ""
+            if set_aside:
+                dest = _step_dir(mngr, bad).with_name(f"{bad}.corrupt-{stamp}")
+                _step_dir(mngr, bad).rename(dest)
+                moved = f" (moved the damaged step {bad} to {dest.name})"
             warnings.warn(f"{mngr.directory}: skipping checkpoint step {bad}: it does not load "
                           f"({why}); using step {step}, the newest that "
-                          f"{'verifies' if verified else 'loads'}", stacklevel=2)
+                          f"{'verifies' if verified else 'loads'}{moved}", stacklevel=2)
+        if set_aside and skipped:
+            mngr.reload()
         if not verified:
             warnings.warn(f"{mngr.directory}: checkpoint step {step} has no manifest (saved by "
                           f"an earlier dsattn), so its content is not verified", stacklevel=2)
-        if set_aside and skipped:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            for bad, _ in skipped:
-                dest = _step_dir(mngr, bad).with_name(f"{bad}.corrupt-{stamp}")
-                _step_dir(mngr, bad).rename(dest)
-                warnings.warn(f"{mngr.directory}: moved the damaged step {bad} to {dest.name}; "
-                              f"resuming from step {step}", stacklevel=2)
-            mngr.reload()
         return step, items
     if steps is not None and len(skipped) == 1:  # the step asked for
         raise CheckpointCorrupt(f"{mngr.directory}: checkpoint step {skipped[0][0]} does not "

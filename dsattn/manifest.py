@@ -45,12 +45,16 @@ def write(step_dir) -> None:
              for p in sorted(step_dir.rglob("*"))
              if p.is_file() and not p.name.startswith(MANIFEST)}
     tmp = step_dir / f"{MANIFEST}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"version": 1, "files": files, "seal": _seal(files)}, f, indent=1,
-                  sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it the manifest
-    os.replace(tmp, step_dir / MANIFEST)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"version": 1, "files": files, "seal": _seal(files)}, f, indent=1,
+                      sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the manifest
+        os.replace(tmp, step_dir / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no half manifest left beside the step
+        raise
 
 
 def _promised(step_dir: Path) -> bool:

@@ -88,7 +88,9 @@ class Trainer:
     The run directory is locked (checkpoint.RunDirLock) while the Trainer writes to it, during
     construction and `run`: a second writer gets RunDirLocked, and so does `run` if another
     process saved a checkpoint since this Trainer last did (make a new Trainer to resume).
-    Resuming restores the newest checkpoint that loads and cuts metrics.jsonl back to its step.
+    Resuming restores the newest checkpoint that verifies against its manifest and loads
+    (`strict=True`: refuses to fall back past a damaged one) and cuts metrics.jsonl back to
+    its step. Each save's manifest is hashed in the background (checkpoint.Commit).
 
     Resuming with other schedule values (train.steps, warmup_steps, lr, min_lr_ratio) than the
     run directory's config.yaml, e.g. extending a finished run, warns naming old and new values

@@ -245,3 +245,24 @@ def test_seed_group_with_one_seed_damaged_does_not_restore_the_damage(pristine, 
     assert_same(as_flat(trainers[1].params), saved_tree(pristine / "seed1", 3, "params"))
     with pytest.raises(errors.ConfigError, match="start at one step"):
         train.SeedGroup(trainers)
+
+
+# ----------------------------------------------------------------- a manifest not written
+def test_a_manifest_that_cannot_be_written_ends_training_naming_the_step_before(run_dir,
+                                                                                monkeypatch):
+    from dsattn import manifest
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    tr = train.Trainer(cfg(steps=9), run_dir, quiet=True)
+    monkeypatch.setattr(manifest.os, "fsync", full)
+    with pytest.raises(errors.CheckpointWriteError,
+                       match=r"step 9 .*No space left on device.*last complete checkpoint is "
+                             r"step 6"):
+        tr.run()
+    monkeypatch.undo()
+    assert not [p for p in step_dir(run_dir, 9).iterdir() if p.name.startswith(MANIFEST)]
+    with pytest.warns(UserWarning, match=r"skipping checkpoint step 9: .*no manifest.*using "
+                                         r"step 6"):
+        assert train.Trainer(cfg(steps=9), run_dir, quiet=True).step == 6

@@ -51,7 +51,9 @@ def _held_out_loss(model, cfg, seq_len: int) -> float | None:
 @dataclasses.dataclass
 class Trained:
     """A run trained to its last step: its Trainer, final held-out loss, this session's
-    training seconds (a group's over its seeds) and how many seeds trained together."""
+    training seconds (a group's over its seeds) and how many seeds trained together. A run
+    measured again after a kill restored its weights through its Trainer, which verifies the
+    checkpoint (checkpoint.restore_latest): nothing here reads a checkpoint itself."""
     trainer: object  # dsattn.train.Trainer
     val_loss: float
     train_s: float = 0.0
