@@ -13,6 +13,7 @@ compressed layer's ratio at once, so a ratio ablation is one override.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import typing
@@ -302,10 +303,17 @@ def _build_section(cls, raw: dict, section: str):
             raise ConfigError(f"{section}.{k}: renamed to {section}.{RENAMED[section, k]}")
         if k not in names:
             raise ConfigError(
-                f"{section}.{k}: unknown key; valid keys in '{section}' are: {', '.join(names)}"
+                f"{section}.{k}: unknown key{_did_you_mean(k, names, section + '.')}; "
+                f"valid keys in '{section}' are: {', '.join(names)}"
             )
         kwargs[k] = _coerce(v, hints[k], f"{section}.{k}")
     return cls(**kwargs)
+
+
+def _did_you_mean(key: str, valid, prefix: str = "") -> str:
+    """' (did you mean section.key?)' for the closest valid key (difflib), else ''."""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -322,9 +330,11 @@ def apply_overrides(raw: dict, overrides) -> dict:
             raw["name"] = value
             continue
         if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+            every = [f"{sec}.{f.name}" for sec, cls in _SECTION_CLASSES.items()
+                     for f in dataclasses.fields(cls)]
             raise ConfigError(
-                f"{key}: unknown key; use section.key with section one of "
-                f"{', '.join(_SECTION_CLASSES)}"
+                f"{key}: unknown key{_did_you_mean(key, every)}; use section.key with section "
+                f"one of {', '.join(_SECTION_CLASSES)}"
             )
         raw.setdefault(parts[0], {})
         if not isinstance(raw[parts[0]], dict):

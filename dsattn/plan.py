@@ -226,9 +226,11 @@ def expand(cfg) -> tuple[tuple[str, ...], tuple[int, ...]]:
             ratios[i] = 0
             continue
         ratios[i] = a.ratio or ratios[i]
-        if ratios[i] < 1:
-            raise ConfigError(f"attention.ratios: layer {i} ({k}) needs a compression ratio "
-                              f">= 1, got {ratios[i]}")
+        if ratios[i] < 1:  # named by the key the ratio came from, as the user typed it
+            key = ("attention.ratios" if a.ratios else
+                   f"attention.{KINDS[k].default_ratio}")
+            raise ConfigError(f"{key}: layer {i} ({k}) needs a compression ratio >= 1, "
+                              f"got {ratios[i]}")
     return tuple(names), tuple(ratios)
 
 

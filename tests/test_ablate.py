@@ -38,7 +38,13 @@ def _write(tmp_path, **sweep):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"sedes": [0]}, r"sedes: unknown sweep key"),
+    ({"sedes": [0]}, r"sedes: unknown sweep key \(did you mean seeds\?\)"),
+    ({"rows": [{"name": "a", "overrides": []}, {"name": "b", "overide": ["train.lr=1"]}]},
+     r"row 'b': overide: unknown row key \(did you mean overrides\?\)"),
+    ({"rows": [{"name": "a", "overrides": []}, {"overrides": []}]},
+     r"row 2 of rows: no name"),
+    ({"recall": {"per_distanse": 4}}, r"recall.per_distanse: unknown key \(did you mean "
+                                      r"recall.per_distance\?\)"),
     ({"rows": [{"name": "a", "overrides": ["attention.n_kv_heads=3"]}]},
      r"row 'a': attention.n_kv_heads: 3 must divide"),
     ({"rows": [{"name": "b", "overrides": {"attention.windw": 8}}]},
@@ -281,3 +287,41 @@ def test_mqar_sweep_evaluates_past_its_training_length(tmp_path):
     assert set(r["recall_cache"]) == {"2", "46"}
     with open(tmp_path / "sweep" / "summary.csv") as f:
         assert "recall_cache_mean_mean" in next(csv.DictReader(f))
+
+
+def _beyond_means(rows: list[dict], row: str, reach: int) -> list[float]:
+    """Per seed, a row's mean recall over the probed distances beyond `reach`, by hand
+    from results.csv."""
+    out = []
+    for r in rows:
+        if r["row"] == row:
+            cols = [k for k in r if k.startswith("recall_d") and int(k[len("recall_d"):]) > reach]
+            out.append(sum(float(r[k]) for k in cols) / len(cols))
+    return out
+
+
+def test_shipped_ratios_report_answers_beyond_the_window(tmp_path):
+    """Re-reporting the shipped ratios sweep: the window control against every compressed
+    row on recall beyond the window's reach (2 layers x (8 - 1) = 14), where the window is
+    at chance, differs by more than the seed spread, and the line names that metric."""
+    shutil.copytree(os.path.join(ROOT, "docs", "ablations", "ratios"), tmp_path / "ratios")
+    text = ablate.report(tmp_path / "ratios")
+    with open(tmp_path / "ratios" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    window = _beyond_means(rows, "window", 14)
+    assert sum(window) / len(window) < 0.08  # chance is 1/16
+    for row in ("csa_m2", "csa_m4", "hca_m8", "hca_m16"):
+        other = _beyond_means(rows, row, 14)
+        diff = sum(window) / len(window) - sum(other) / len(other)
+        (line,) = [x for x in text.splitlines() if x.strip().startswith(f"window vs {row}:")]
+        part = [p for p in line.split(";") if "recall d>14" in p]
+        assert part, line
+        assert f"recall d>14 {diff:+.3f} [" in part[0] and "(exceeds the seed spread)" in part[0]
+    # the printed table splits each row's recall at its own reach
+    head = text.splitlines()[0]
+    assert "reach" in head and "recall<=reach" in head and "recall>reach" in head
+    with open(tmp_path / "ratios" / "summary.csv") as f:
+        summary = {r["row"]: r for r in csv.DictReader(f)}
+    assert float(summary["window"]["recall_beyond_mean"]) == pytest.approx(
+        sum(window) / len(window))
+    assert summary["window"]["reach"] == "14" and summary["full"]["reach"] == "126"

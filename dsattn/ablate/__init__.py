@@ -46,11 +46,14 @@ import yaml
 
 from dsattn import progress
 from dsattn.ablate.full_size import full_size_config  # noqa: F401  (public)
-from dsattn.ablate.measure import Trained, kv_figures, measure, probes_for  # noqa: F401
+from dsattn.ablate.measure import (Trained, complete, kv_figures, measure,  # noqa: F401
+                                   probes_for)
+from dsattn.ablate.reach import window_reach  # noqa: F401  (public)
 from dsattn.ablate.plots import pareto, plots  # noqa: F401  (public)
 from dsattn.ablate.results import (flat, row_summaries, table,  # noqa: F401  (public)
                                    write_json, write_results)
-from dsattn.ablate.spec import Row, Sweep, from_dict, load, run_dir  # noqa: F401  (public)
+from dsattn.ablate.spec import (Row, Sweep, from_dict, from_resolved, load,  # noqa: F401
+                                run_dir)
 from dsattn.errors import ConfigError, DsattnError
 
 
@@ -223,8 +226,8 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
                      f"{','.join(map(str, todo))}")
         trained = train_row(sweep, row, todo, quiet=quiet_runs, progress_every=progress_every)
         for seed in sweep.seeds:
-            if (row.name, seed) in finished:
-                result = json.loads(finished[row.name, seed].read_text())
+            if (row.name, seed) in finished:  # saved before a field existed: filled in
+                result = complete(sweep, [json.loads(finished[row.name, seed].read_text())])[0]
             else:
                 try:
                     if isinstance(trained[seed], DsattnError):
@@ -243,11 +246,21 @@ def _run(sweep: Sweep, quiet: bool, progress_every: int | None) -> list[dict]:
     return results
 
 
-def report(sweep_dir) -> str:
-    """Redraw the plots from SWEEP_DIR/results.json (no training); return the table."""
-    path = Path(sweep_dir) / "results.json"
+def report(sweep_dir, sweep=None) -> str:
+    """Rewrite SWEEP_DIR's results.csv, summary.csv and plots from its results.json (no
+    training) and return the printed report. Fields results saved before they existed (the
+    window reach, BF16 bytes...) are filled in from `sweep` (a Sweep or sweep file), else
+    from the sweep.yaml a sweep writes into its directory."""
+    sweep_dir = Path(sweep_dir)
+    path = sweep_dir / "results.json"
     if not path.exists():
         raise FileNotFoundError(f"{sweep_dir}: no results.json; is this a sweep directory?")
-    results = json.loads(path.read_text())["runs"]
+    saved = json.loads(path.read_text())
+    if sweep is None and (sweep_dir / "sweep.yaml").exists():
+        sweep = from_resolved(yaml.safe_load((sweep_dir / "sweep.yaml").read_text()))
+    elif sweep is not None and not isinstance(sweep, Sweep):
+        sweep = load(sweep)
+    results = complete(sweep, saved["runs"]) if sweep is not None else saved["runs"]
+    write_results(sweep_dir, saved.get("sweep", sweep_dir.name), results)
     plots(sweep_dir, results)
     return table(results)

@@ -12,16 +12,69 @@ import numpy as np
 
 from dsattn import data, kvbytes, recall, runlog
 from dsattn.ablate.full_size import full_size_config
+from dsattn.ablate.reach import window_reach
 from dsattn.ablate.spec import Row, Sweep
 from dsattn.errors import DsattnError
 
 
 CONTEXTS = {"8k": 8192, "128k": 131072}
+
+
+def cache_formats(cfg) -> str:
+    """The deployed cache formats by role, "native" spelled with the dtype it stores."""
+    c = cfg.cache
+    return " ".join(f"{role}={fmt if fmt != 'native' else 'native(' + cfg.model.dtype + ')'}"
+                    for role, fmt in (("main", c.main_format), ("key", c.key_format),
+                                      ("local", c.local_format)))
+
+
 def kv_figures(cfg) -> dict:
-    out = {"storage_bytes_per_token": kvbytes.storage_per_token(cfg),
+    """KV bytes of a config: per token and one decode step's reads, in its deployed cache
+    formats (`cache_formats`) and with every vector in BF16."""
+    out = {"cache_formats": cache_formats(cfg),
+           "storage_bytes_per_token": kvbytes.storage_per_token(cfg),
+           "storage_bf16_bytes_per_token": kvbytes.storage_per_token(cfg, bf16=True),
            "local_bytes": float(kvbytes.local_bytes(cfg))}
     for tag, ctx in CONTEXTS.items():
-        out[f"read_bytes_{tag}"] = float(kvbytes.report(cfg, ctx)["read_bytes"])
+        rep = kvbytes.report(cfg, ctx)
+        out[f"read_bytes_{tag}"] = float(rep["read_bytes"])
+        out[f"read_bf16_bytes_{tag}"] = float(rep["read_bf16_bytes"])
+    return out
+
+
+def loss_unit(cfg) -> str:
+    """What the held-out loss is averaged over: recall sources weigh only answers (unless
+    other_weight > 0), byte vocabularies predict bytes."""
+    if recall.is_recall(cfg.data.source) and recall.parse_source(
+            cfg.data.source).other_weight == 0:
+        return "nats per answer token"
+    return "nats per byte" if cfg.model.vocab_size == 256 else "nats per token"
+
+
+def row_facts(sweep: Sweep, row: Row, cfg) -> dict:
+    """What a run's numbers are read against, the same for every seed of a row: its window
+    reach, recall's chance level, the loss's unit and KV figures (own config, full size)."""
+    full, applied, skipped = full_size_config(sweep, row)
+    return {"reach": window_reach(cfg), "recall_chance": recall.chance(cfg.data.source),
+            "loss_unit": loss_unit(cfg), "kv": kv_figures(cfg),
+            "kv_full": kv_figures(full) if full is not None else None,
+            "full_overrides_applied": applied, "full_overrides_skipped": skipped}
+
+
+def complete(sweep: Sweep, results: list[dict]) -> list[dict]:
+    """Results saved before a field of `row_facts` existed, with it filled in from the
+    sweep's configs (rows the sweep no longer has are left as they are)."""
+    rows = {r.name: r for r in sweep.rows}
+    out = []
+    for r in results:
+        if r.get("row") in rows and "error" not in r:
+            row = rows[r["row"]]
+            facts = row_facts(sweep, row, sweep.config(row, r.get("seed", sweep.seeds[0])))
+            r = {**r, **{k: v for k, v in facts.items() if k not in r},
+                 "kv": {**facts["kv"], **(r.get("kv") or {})},
+                 "kv_full": (None if facts["kv_full"] is None else
+                             {**facts["kv_full"], **(r.get("kv_full") or {})})}
+        out.append(r)
     return out
 
 
@@ -79,7 +132,6 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
     if sweep.decode_context:
         decode_ms = bench.time_decode(model, sweep.decode_context, batch=1, steps=5,
                                       warmup=1)["step_ms"]
-    full, applied, skipped = full_size_config(sweep, row)
     return {
         "row": row.name, "seed": cfg.train.seed, "overrides": list(row.overrides),
         "steps": trainer.step, "val_loss": run.val_loss, "curve": _curve(trainer.run_dir),
@@ -88,14 +140,11 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
         "seeds_together": run.together,  # trained as one vmapped model with this many seeds
         "decode_context": sweep.decode_context or None, "decode_ms": decode_ms,
         "recall": {str(d): a for d, a in acc.items()},
-        "recall_chance": recall.chance(cfg.data.source),
+        **row_facts(sweep, row, cfg),  # reach, chance, loss unit, KV figures
         # through the decode cache, as deployed (its formats), when the sweep asks for it
         **({"recall_cache": {str(d): a for d, a in recall.cache_accuracy(
             model, probes[1]).items()}} if sweep.through_cache else {}),
         "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
-        "kv": kv_figures(cfg),
-        "kv_full": kv_figures(full) if full is not None else None,
-        "full_overrides_applied": applied, "full_overrides_skipped": skipped,
         # this session's share of the run: its training (a group's time over its seeds)
         # and its measurements
         "wall_s": run.train_s + time.perf_counter() - start,

@@ -30,8 +30,10 @@ def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
 
 
 def plots(out, results: list[dict]) -> list[Path]:
-    """pareto.png, recall.png, curves.png: one colour per row, the mean over seeds and its
-    95% interval (seedstats; none with one seed)."""
+    """pareto.png (loss, and recall beyond the window's reach, against KV bytes per token;
+    window-only rows at 0), recall.png (by distance, each row's window reach marked),
+    curves.png: one colour per row, the mean over seeds and its 95% interval (seedstats;
+    none with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,16 +47,23 @@ def plots(out, results: list[dict]) -> list[Path]:
     summaries = row_summaries(results)
     paths = []
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    unit = next(iter(rows.values()))[0].get("loss_unit", "nats per token")
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(13, 5.5))
+    xs = {name: rs[0]["kv"]["storage_bytes_per_token"] for name, rs in rows.items()}
     pts = []
     for name, rs in rows.items():
-        x = rs[0]["kv"]["storage_bytes_per_token"]
-        if x <= 0:  # window-only stacks store nothing global: no place on a log axis
-            continue
         y = summaries[name]["val_loss"]
-        pts.append({"x": x, "y": y})
+        pts.append({"x": xs[name], "y": y})
         err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
-        ax.errorbar(x, y["mean"], yerr=err, fmt="o", color=col[name], capsize=3, label=name)
+        # a window-only stack stores nothing per token: drawn at 0 on the linear stretch
+        label = name + (" (0 B/token: window ring only)" if xs[name] <= 0 else "")
+        ax.errorbar(xs[name], y["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
+                    label=label)
+        b = summaries[name].get("recall_beyond")
+        if b and b["n"]:
+            err = None if np.isnan(b["lo"]) else [[b["mean"] - b["lo"]], [b["hi"] - b["mean"]]]
+            ax_r.errorbar(xs[name], b["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
+                          label=label)
     front = pareto([(p["x"], p["y"]["mean"]) for p in pts])
     near = seedstats.overlaps_front(pts, front)
     ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
@@ -65,11 +74,21 @@ def plots(out, results: list[dict]) -> list[Path]:
         ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
                    facecolors="none", edgecolors="grey", linestyles="dotted",
                    label="interval reaches the front")
-    ax.set_xscale("log")
-    ax.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
-    ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("held-out loss vs KV bytes per token (mean, bars: 95% interval over seeds)")
-    ax.legend(fontsize=7, ncol=2)
+    positive = [x for x in xs.values() if x > 0]
+    for a in (ax, ax_r):
+        if positive and len(positive) < len(xs):  # 0 has no place on a log axis
+            a.set_xscale("symlog", linthresh=min(positive))
+        elif positive:
+            a.set_xscale("log")
+        a.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
+        a.legend(fontsize=7, ncol=2)
+    ax.set_ylabel(f"held-out loss ({unit})")
+    ax.set_title("held-out loss vs KV bytes per token\n(mean, bars: 95% interval over seeds)")
+    ax_r.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":")
+    ax_r.set_ylabel("recall beyond the row's window reach (mean over those distances)")
+    ax_r.set_ylim(-0.02, 1.02)
+    ax_r.set_title("recall beyond the window's reach vs KV bytes per token\n"
+                   "(mean, bars: 95% interval over seeds; dotted: chance)")
     paths.append(_save(fig, out / "pareto.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -79,8 +98,18 @@ def plots(out, results: list[dict]) -> list[Path]:
               name)
     ax.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":",
                label="chance")
-    ax.set_xlabel("fact-to-query distance (bytes)")
-    ax.set_ylabel("recall accuracy on answer bytes (fraction)")
+    reaches: dict = {}
+    for name, rs in rows.items():
+        if rs[0].get("reach") is not None:
+            reaches.setdefault(rs[0]["reach"], []).append(name)
+    top = max((int(d) for rs in rows.values() for d in rs[0]["recall"]), default=0)
+    for at, names in reaches.items():
+        if at < top:  # a reach past the farthest probe has nothing beyond it to mark
+            ax.axvline(at + 0.5, color=col[names[0]] if len(names) == 1 else "k", ls="--",
+                       lw=1, label=f"window reach {at} ({', '.join(names)}): beyond it, "
+                                   f"only compression recalls")
+    ax.set_xlabel("fact-to-query distance (tokens)")
+    ax.set_ylabel("recall accuracy on answers (fraction)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("recall accuracy vs distance (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
@@ -94,7 +123,7 @@ def plots(out, results: list[dict]) -> list[Path]:
         _band(ax, steps, np.array([[dict(map(tuple, r["curve"]))[s] for s in steps]
                                    for r in rs]), col[name], name)
     ax.set_xlabel("training step")
-    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_ylabel(f"held-out loss ({unit})")
     ax.set_title("held-out loss during training (mean, band: 95% interval over seeds)")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "curves.png"))

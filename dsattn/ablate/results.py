@@ -1,5 +1,10 @@
 """A sweep's results: one line per run (results.csv/json), per-row statistics over seeds
-(summary.csv, dsattn.seedstats) and the printed table."""
+(summary.csv, dsattn.seedstats) and the printed report.
+
+Recall is read at each row's window reach (dsattn.ablate.reach): `recall_within` averages
+the probed distances its sliding windows reach, `recall_beyond` the farther ones, where only
+compression (or an unwindowed layer) carries a fact and a window-only row is at chance. Two
+rows are compared at the shorter of their reaches."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dsattn import runlog, seedstats
+from dsattn.ablate import reach as reach_lib
 
 
 def write_json(path: Path, obj) -> None:
@@ -23,6 +29,8 @@ def flat(result: dict) -> dict:
     out = {k: result.get(k) for k in ("row", "seed", "steps", "val_loss", "params",
                                       "train_tokens_per_s", "decode_context", "decode_ms",
                                       "wall_s")}
+    out["reach"] = result.get("reach")
+    out.update({f"recall_{side}": v for side, v in _split(result, "recall").items()})
     out.update({f"recall_d{d}": a for d, a in result.get("recall", {}).items()})
     out.update({f"recall_cache_d{d}": a for d, a in result.get("recall_cache", {}).items()})
     out.update(_beyond(result))
@@ -34,15 +42,30 @@ def flat(result: dict) -> dict:
     return out
 
 
+def _split(result: dict, key: str, acc: dict | None = None, at="own") -> dict:
+    """{"within", "beyond"}: a run's recall (result[key], or `acc`) split at its own reach
+    or at `at`; {} when the reach is unknown (results saved before it was recorded)."""
+    if at == "own":
+        if "reach" not in result:
+            return {}
+        at = result["reach"]
+    acc = result.get(key) if acc is None else acc
+    return reach_lib.split(acc, at) if acc else {}
+
+
 def _metrics(result: dict) -> dict:
-    """A run's metrics that vary with the seed: the scalars, mean recall and recall per
-    distance, and the same beyond the training length."""
+    """A run's metrics that vary with the seed: the scalars, recall within and beyond its
+    reach, its mean over every distance and per distance, and the same beyond the training
+    length."""
     acc = result.get("recall") or {}
     out = {k: result.get(k) for k in ("val_loss", "train_tokens_per_s", "decode_ms")}
+    out.update({f"recall_{side}": v for side, v in _split(result, "recall").items()})
     out["recall_mean"] = float(np.mean(list(acc.values()))) if acc else None
     out.update({f"recall_d{d}": a for d, a in acc.items()})
     if "recall_cache" in result:
         cached = result["recall_cache"]
+        out.update({f"recall_cache_{side}": v
+                    for side, v in _split(result, "recall_cache").items()})
         out["recall_cache_mean"] = float(np.mean(list(cached.values())))
         out.update({f"recall_cache_d{d}": a for d, a in cached.items()})
     out.update(_beyond(result))
@@ -50,10 +73,13 @@ def _metrics(result: dict) -> dict:
 
 
 def _beyond(result: dict) -> dict:
-    """Columns of the evaluation beyond the training length: val_loss_x2, recall_x2_d96..."""
+    """Columns of the evaluation beyond the training length: val_loss_x2, recall_x2_within,
+    recall_x2_beyond (split at the row's reach in tokens, like recall), recall_x2_d96..."""
     out = {}
     for m, b in (result.get("beyond") or {}).items():
         out[f"val_loss_x{m}"] = b["val_loss"]
+        out.update({f"recall_x{m}_{side}": v
+                    for side, v in _split(result, "", b["recall"]).items()})
         out.update({f"recall_x{m}_d{d}": a for d, a in b["recall"].items()})
     return out
 
@@ -83,10 +109,36 @@ def write_results(out: Path, sweep_name: str, results: list[dict]) -> None:
                    for st, v in m.items()} for k, m in ms.items()}
         for name, ms in summaries.items()}})
     _write_csv(out / "results.csv", [flat(r) for r in results])
-    _write_csv(out / "summary.csv", [
-        {"row": name, "seeds": next(iter(m.values()))["n"],
-         **{f"{k}_{stat}": v[stat] for k, v in m.items() for stat in ("mean", "std", "lo", "hi")}}
-        for name, m in summaries.items()])
+    _write_csv(out / "summary.csv", summary_rows(results, summaries))
+
+
+# Per-row facts in summary.csv: the same for every seed of a row.
+FACT_KEYS = ("reach", "recall_chance", "loss_unit")
+KV_KEYS = ("cache_formats", "storage_bytes_per_token", "storage_bf16_bytes_per_token",
+           "read_bytes_128k", "read_bf16_bytes_128k")
+
+
+def summary_rows(results: list[dict], summaries: dict | None = None) -> list[dict]:
+    """summary.csv: per row its facts (reach, chance, loss unit), KV bytes per token and
+    reads per decode step at 128K (own config in its cache formats and in BF16; full_*: the
+    sweep's full-size preset with the row's overrides), then mean/std/lo/hi of every metric
+    over its seeds. A metric no run has (e.g. decode_ms without decode timing) is left out."""
+    summaries = summaries or row_summaries(results)
+    rows, present = by_row(results), set()
+    for m in summaries.values():
+        present |= {k for k, v in m.items() if v["n"]}
+    out = []
+    for name, m in summaries.items():
+        first = rows[name][0]
+        line = {"row": name, "seeds": next(iter(m.values()))["n"]}
+        line.update({k: first[k] for k in FACT_KEYS if k in first})
+        line.update({k: (first.get("kv") or {})[k] for k in KV_KEYS if k in (first.get("kv") or {})})
+        line.update({f"full_{k}": first["kv_full"][k] for k in KV_KEYS
+                     if k in (first.get("kv_full") or {})})
+        line.update({f"{k}_{stat}": v[stat] for k, v in m.items() if k in present
+                     for stat in ("mean", "std", "lo", "hi")})
+        out.append(line)
+    return out
 
 
 def by_row(results):
@@ -97,56 +149,183 @@ def by_row(results):
     return rows
 
 
-def _mean(summaries: dict, key: str) -> float:
-    return summaries[key]["mean"] if key in summaries else math.nan
-
-
-def _interval(m: dict, fmt: str) -> str:
+def _interval(m: dict | None, fmt: str) -> str | None:
+    """mean [lo, hi] (mean alone with one seed); None when no run has the metric."""
+    if not m or not m["n"]:
+        return None
     if np.isnan(m["lo"]):
         return format(m["mean"], fmt)
     return f"{format(m['mean'], fmt)} [{format(m['lo'], fmt)}, {format(m['hi'], fmt)}]"
 
 
-def table(results: list[dict]) -> str:
-    """Per row: seeds, loss and mean recall (mean [95% interval] over seeds), the held-out
-    loss at each multiple of the training length (mean), KV bytes/token
-    (own, full size), reads at 128K full size, params, tokens/s, decode ms; then each row's
-    loss and recall against the best row's, and whether the difference exceeds the spread
-    of the seeds (Welch's 95% interval excludes 0)."""
-    rows, summaries = by_row(results), row_summaries(results)
+def _num(x, fmt: str) -> str | None:
+    return None if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, fmt)
+
+
+def _si(x) -> str | None:
+    """Bytes with a decimal prefix (3.5 kB, 1.2 GB)."""
+    if x is None:
+        return None
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.4g} B"
+
+
+# Columns that may be empty, and the line that says why when every row's is.
+WHY_EMPTY = {
+    "full B/tok": "full B/tok, full rd 128K: the sweep names no full_size preset",
+    "dec ms": "dec ms: the sweep's decode_context is 0 (no decode timing)",
+    "reach": "reach, recall<=reach, recall>reach: results saved before the reach was "
+             "recorded and no sweep to read it from (recall: every distance)",
+    "recall>reach": "recall>reach: every probed distance is within each row's reach",
+}
+
+
+def _columns(rows: dict, summaries: dict) -> list[tuple[str, list]]:
+    """(header, one cell per row) of the report's table; cells None where there is no value."""
     times = sorted({int(m) for rs in rows.values() for r in rs for m in r.get("beyond") or {}})
-    longer = "loss " + "/".join(f"x{m}" for m in times) if times else ""
-    head = (f"{'row':<28} {'n':>2} {'loss':>26} {'recall':>22} {longer:>16} {'B/tok':>9} "
-            f"{'full B/tok':>10} {'full rd 128K':>12} {'params':>8} {'tok/s':>7} {'dec ms':>6}")
-    lines = [head, "-" * len(head)]
+    cols: dict[str, list] = {}
+
+    def add(head, cell):
+        cols.setdefault(head, []).append(cell)
+
+    known = all("reach" in rs[0] for rs in rows.values())
     for name, rs in rows.items():
-        m, full = summaries[name], rs[0].get("kv_full") or {}
-        lines.append(
-            f"{name:<28} {len(rs):>2} {_interval(m['val_loss'], '.4f'):>26} "
-            f"{_interval(m['recall_mean'], '.3f'):>22} "
-            f"{'/'.join(format(_mean(m, f'val_loss_x{t}'), '.3f') for t in times):>16} "
-            f"{rs[0]['kv']['storage_bytes_per_token']:>9.1f} "
-            f"{full.get('storage_bytes_per_token', float('nan')):>10.1f} "
-            f"{full.get('read_bytes_128k', float('nan')):>12.3g} {rs[0]['params']:>8,} "
-            f"{m['train_tokens_per_s']['mean']:>7.0f} {m['decode_ms']['mean']:>6.2f}")
-    if len(rows) > 1:
-        best = min(rows, key=lambda n: summaries[n]["val_loss"]["mean"])
-        lines += ["", f"against the lowest mean loss ({best}): difference [95% interval]"]
-        for name, rs in rows.items():
-            if name == best:
-                continue
-            parts = []
-            for key, label, fmt in (("val_loss", "loss", "+.4f"), ("recall_mean", "recall",
-                                                                    "+.3f")):
-                d = seedstats.difference([_metrics(r)[key] for r in rs],
-                                         [_metrics(r)[key] for r in rows[best]])
-                verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
-                           False: "within the seed spread"}[d["exceeds"]]
-                shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else
-                         f"{format(d['diff'], fmt)} [{format(d['lo'], fmt)}, "
-                         f"{format(d['hi'], fmt)}]")
-                parts.append(f"{label} {shown} ({verdict})")
-            lines.append(f"  {name}: " + "; ".join(parts))
+        m, first = summaries[name], rs[0]
+        kv, full = first.get("kv") or {}, first.get("kv_full") or {}
+        add("row", name)
+        add("n", str(len(rs)))
+        add("loss", _interval(m["val_loss"], ".4f"))
+        for t in times:
+            add(f"loss x{t}", _num(m.get(f"val_loss_x{t}", {}).get("mean"), ".3f"))
+        add("reach", None if "reach" not in first else
+            "all" if first["reach"] is None else str(first["reach"]))
+        add("recall<=reach", _interval(m.get("recall_within"), ".3f"))
+        add("recall>reach", _interval(m.get("recall_beyond"), ".3f"))
+        if not known:
+            add("recall", _interval(m.get("recall_mean"), ".3f"))
+        for t in times:
+            add(f"x{t} recall>reach", _num(m.get(f"recall_x{t}_beyond", {}).get("mean"), ".3f"))
+        add("B/tok", _num(kv.get("storage_bytes_per_token"), ".1f"))
+        add("B/tok bf16", _num(kv.get("storage_bf16_bytes_per_token"), ".1f"))
+        add("rd 128K", _si(kv.get("read_bytes_128k")))
+        add("full B/tok", _num(full.get("storage_bytes_per_token"), ".1f"))
+        add("full rd 128K", _si(full.get("read_bytes_128k")))
+        add("params", f"{first['params']:,}")
+        add("tok/s", _num(m["train_tokens_per_s"]["mean"], ".0f"))
+        add("dec ms", _num(m["decode_ms"]["mean"], ".2f"))
+    return list(cols.items())
+
+
+def _format(cols: list[tuple[str, list]]) -> list[str]:
+    widths = [max(len(h), *(len(c or "-") for c in cells)) for h, cells in cols]
+    line = lambda cells: " ".join(  # noqa: E731
+        (c or "-").ljust(w) if i == 0 else (c or "-").rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line([h for h, _ in cols])]
+    out.append("-" * len(out[0]))
+    out += [line(cells) for cells in zip(*(c for _, c in cols))]
+    return out
+
+
+def _notes(rows: dict, left_out: list[str]) -> list[str]:
+    """What the columns are in, one line each, and why a column is missing."""
+    first = next(iter(rows.values()))[0]
+    kv, full = first.get("kv") or {}, first.get("kv_full") or {}
+    out = [f"loss: held-out, {first.get('loss_unit', 'nats per token')}; mean [95% interval "
+           f"over seeds, Student's t]"]
+    if "reach" in first:
+        chance = first.get("recall_chance")
+        out.append("reach: tokens back the row's sliding windows reach, n_layers x (window - 1)"
+                   " (all: a layer without a window); recall<=reach / recall>reach: mean "
+                   "accuracy over the probed distances within / beyond it"
+                   + (f"; chance {chance:.4g}" if chance else ""))
+    if kv:
+        out.append(f"B/tok: KV bytes stored per token, rd 128K: bytes one decode step reads at "
+                   f"128K cached tokens, of the run's own config in its cache formats "
+                   f"({kv.get('cache_formats', 'as configured')}); B/tok bf16: every vector BF16")
+    if full:
+        out.append(f"full B/tok, full rd 128K: the same at full size "
+                   f"({full.get('cache_formats', 'its formats')})")
+    out += [f"not shown: {WHY_EMPTY[h]}" for h in left_out if h in WHY_EMPTY
+            and not (h == "recall>reach" and "reach" in left_out)]
+    return out
+
+
+def _compare(a: list[dict], b: list[dict], key: str, label: str, fmt: str,
+             at: int | None = None) -> str | None:
+    """One metric of two rows: difference of means [Welch 95% interval] and its verdict."""
+    if key == "val_loss":
+        va, vb = [r["val_loss"] for r in a], [r["val_loss"] for r in b]
+    else:
+        va = [_split(r, "recall", at=at).get(key) for r in a]
+        vb = [_split(r, "recall", at=at).get(key) for r in b]
+        if None in va or None in vb:
+            return None
+    d = seedstats.difference(va, vb)
+    verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
+               False: "within the seed spread"}[d["exceeds"]]
+    shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else
+             f"{format(d['diff'], fmt)} [{format(d['lo'], fmt)}, {format(d['hi'], fmt)}]")
+    return f"{label} {shown} ({verdict})"
+
+
+MAX_PAIRS_ROWS = 8  # up to this many rows every pair is compared, beyond it each vs the best
+
+
+def comparisons(rows: dict, summaries: dict) -> list[str]:
+    """Row against row: loss, and recall within and beyond the pair's shorter window reach
+    (the distances where at least one of them depends on compression), as the difference of
+    means with Welch's 95% interval and whether it exceeds the seed spread."""
+    names = list(rows)
+    if len(names) < 2:
+        return []
+    if len(names) <= MAX_PAIRS_ROWS:
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+        what = "every pair of rows"
+    else:
+        best = min(names, key=lambda n: summaries[n]["val_loss"]["mean"])
+        pairs = [(n, best) for n in names if n != best]
+        what = f"each row against the lowest mean loss ({best})"
+    known = all("reach" in rs[0] for rs in rows.values())
+    out = ["", f"{what}: first minus second, mean difference [Welch's 95% interval over seeds]; "
+               + ("recall split at the pair's shorter reach R: d<=R within it, d>R beyond"
+                  if known else "recall over every probed distance")]
+    for a, b in pairs:
+        ra, rb = rows[a], rows[b]
+        parts = [_compare(ra, rb, "val_loss", "loss", "+.4f")]
+        if known:
+            at = reach_lib.shorter(ra[0]["reach"], rb[0]["reach"])
+            parts += [_compare(ra, rb, "within", "recall all d" if at is None
+                               else f"recall d<={at}", "+.3f", at),
+                      _compare(ra, rb, "beyond", f"recall d>{at}", "+.3f", at)]
+        else:
+            parts.append(_compare_mean(ra, rb))
+        out.append(f"  {a} vs {b}: " + "; ".join(p for p in parts if p))
+    return out
+
+
+def _compare_mean(a: list[dict], b: list[dict]) -> str:
+    d = seedstats.difference([_metrics(r)["recall_mean"] for r in a],
+                             [_metrics(r)["recall_mean"] for r in b])
+    verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
+               False: "within the seed spread"}[d["exceeds"]]
+    return f"recall (all d) {d['diff']:+.3f} ({verdict})"
+
+
+def table(results: list[dict]) -> str:
+    """The printed report: per row its seeds, loss, reach and recall within and beyond it
+    (mean [95% interval] over seeds), the same past the training length (means), KV bytes
+    (own config: deployed formats and BF16; full size), params, tokens/s, decode ms; a line
+    per unit and per column left out; then rows compared (`comparisons`)."""
+    rows, summaries = by_row(results), row_summaries(results)
+    lines = []
+    if rows:
+        cols = _columns(rows, summaries)
+        left_out = [h for h, cells in cols if all(c is None for c in cells)]
+        cols = [(h, cells) for h, cells in cols if h not in left_out]
+        lines = _format(cols) + [""] + _notes(rows, left_out) + comparisons(rows, summaries)
     for r in results:
         if "error" in r:
             lines.append(f"{r['row']} seed {r['seed']}: FAILED: {r['error']}")

@@ -4,6 +4,7 @@ any training), and where its runs live."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import json
 import re
@@ -21,6 +22,16 @@ from dsattn.errors import ConfigError
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
               "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
+ROW_KEYS = ("name", "overrides")
+
+
+def unknown_key(key: str, valid, what: str) -> ConfigError:
+    """An unknown key's error: the closest valid key first (a likely typo), then all."""
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{key}: unknown {what}{hint}; valid: {', '.join(valid)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     name: str
@@ -105,13 +116,21 @@ def load(path, overrides=(), out=None) -> Sweep:
 def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     for k in raw:
         if k not in SWEEP_KEYS:
-            raise ConfigError(f"{k}: unknown sweep key; valid keys: {', '.join(SWEEP_KEYS)}")
+            raise unknown_key(k, SWEEP_KEYS, "sweep key")
     if "base" not in raw:
         raise ConfigError("base: missing (the preset every row starts from)")
     rows = []
-    for i, r in enumerate(raw.get("rows") or []):
-        if not isinstance(r, dict) or set(r) - {"name", "overrides"} or "name" not in r:
-            raise ConfigError(f"rows[{i}]: expected {{name: ..., overrides: [...]}}")
+    for i, r in enumerate(raw.get("rows") or [], start=1):
+        # a row is named by its name where it has one, else by its place (from 1)
+        where = f"row {r['name']!r}" if isinstance(r, dict) and "name" in r else f"row {i} of rows"
+        if not isinstance(r, dict):
+            raise ConfigError(f"{where}: expected {{name: ..., overrides: [...]}}, got {r!r}")
+        for k in r:
+            if k not in ROW_KEYS:
+                e = unknown_key(k, ROW_KEYS, "row key")
+                raise ConfigError(f"{where}: {e}; a row is {{name: ..., overrides: [...]}}")
+        if "name" not in r:
+            raise ConfigError(f"{where}: no name; a row is {{name: ..., overrides: [...]}}")
         rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}")))
     if "grid" in raw:
         rows += _grid_rows(raw["grid"])
@@ -129,9 +148,11 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
             isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"seeds: expected a list of distinct integers >= 0, got {seeds!r}")
     rc = raw.get("recall") or {}
-    if not isinstance(rc, dict) or set(rc) - set(RECALL_KEYS):
-        bad = sorted(set(rc) - set(RECALL_KEYS)) if isinstance(rc, dict) else ["?"]
-        raise ConfigError(f"recall.{bad[0]}: unknown key; valid: {', '.join(RECALL_KEYS)}")
+    if not isinstance(rc, dict):
+        raise ConfigError(f"recall: expected a mapping of {', '.join(RECALL_KEYS)}, got {rc!r}")
+    for k in rc:
+        if k not in RECALL_KEYS:
+            raise unknown_key(f"recall.{k}", [f"recall.{x}" for x in RECALL_KEYS], "key")
     shared = _override_list(raw.get("overrides"), "overrides") + tuple(overrides)
     decode = raw.get("decode_context", 4096)
     if not isinstance(decode, int) or decode < 0:
@@ -198,6 +219,16 @@ def _validate(sweep: Sweep) -> Sweep:
                               f"{longest} tokens, beyond model.max_seq_len="
                               f"{cfg.model.max_seq_len}")
     return dataclasses.replace(sweep, distances=tuple(dists), probe_len=probe_len)
+
+
+def from_resolved(raw: dict) -> Sweep:
+    """The Sweep a sweep directory's sweep.yaml records (written before its runs train)."""
+    fields = {f.name for f in dataclasses.fields(Sweep)}
+    raw = {k: v for k, v in raw.items() if k in fields}
+    rows = tuple(Row(r["name"], tuple(r["overrides"])) for r in raw.pop("rows"))
+    out = Path(raw.pop("out"))
+    return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},
+                 rows=rows, out=out)
 
 
 def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:
