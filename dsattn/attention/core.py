@@ -4,27 +4,30 @@ logit per head in the softmax denominator (zero value); inverse RoPE of the outp
 dims at the query position; grouped low-rank output projection (g groups -> r_o -> D).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks, reads
-from dsattn.attention.common import shared_mix, shared_scores, softmax_dtype, split_keys
+from dsattn.attention.common import (shared_mix, shared_scores, softmax_dtype, split_keys,
+                                     wide_product)
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
 
 
-def _logits(q, entries, mask, sd):
+def _logits(q, entries, mask):
     """Scaled scores of q [B,T,H,c] over one part, -inf where masked: [B,T,H,S]."""
     chex.assert_rank(entries, {3, 4})
     chex.assert_shape(mask, q.shape[:2] + entries.shape[-2:-1])
     chex.assert_type(mask, bool)
     if entries.ndim == 3:
-        s = shared_scores(q, entries, preferred_element_type=sd)
+        s = shared_scores(q, entries)
     else:
-        s = jnp.einsum("bthc,btsc->bths", q, entries, preferred_element_type=sd)
+        s = wide_product(functools.partial(jnp.einsum, "bthc,btsc->bths"), q, entries)
     return jnp.where(mask[:, :, None, :], s * q.shape[-1] ** -0.5, -jnp.inf)
 
 
@@ -51,7 +54,7 @@ def attend(q, parts, sink, entry_block: int | None = None):
     if entry_block is not None and any(e.ndim == 3 and e.shape[1] > entry_block
                                        for e, _ in parts):
         return _online(q, parts, sink.astype(sd), entry_block, sd), None
-    logits = [_logits(q, entries, mask, sd) for entries, mask in parts]
+    logits = [_logits(q, entries, mask) for entries, mask in parts]
     s = jnp.concatenate(logits, axis=-1)
     sink = sink.astype(sd)[None, None, :, None]
     m = jax.lax.stop_gradient(jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sink))
@@ -72,7 +75,7 @@ def _online(q, parts, sink, block: int, sd):
 
     def absorb(state, entries, mask):
         m, l, acc = state
-        s = _logits(q, entries, mask, sd)
+        s = _logits(q, entries, mask)
         m_new = jnp.maximum(m, jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
         e, scale = jnp.exp(s - m_new), jnp.exp(m - m_new)
         return (m_new, l * scale + jnp.sum(e, axis=-1, keepdims=True),

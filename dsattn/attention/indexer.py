@@ -8,12 +8,14 @@ compressor; CSA2: a projection of the main entry). Top-k is discrete, so the ind
 only from `kl_loss`; its inputs are detached so that loss trains the indexer alone.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks
-from dsattn.attention.common import shared_scores, softmax_dtype
+from dsattn.attention.common import shared_scores, softmax_dtype, wide_product
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
@@ -47,7 +49,7 @@ _DECIDE = jax.lax.Precision.HIGHEST
 def scores(q, w, keys):
     """I [B, T, S] for queries q [B,T,n,d], weights w [B,T,n] and keys [B,S,d]."""
     sd = softmax_dtype(q.dtype)
-    dots = shared_scores(q, keys, preferred_element_type=sd, precision=_DECIDE)
+    dots = shared_scores(q, keys, precision=_DECIDE)
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd), precision=_DECIDE)
 
 
@@ -55,7 +57,8 @@ def gathered_scores(q, w, keys):
     """I [B, T, S] for queries q [B,T,n,d] and weights w [B,T,n] against per-query keys
     [B, T, S, d] (the candidate pool's keys, gathered for each query)."""
     sd = softmax_dtype(q.dtype)
-    dots = jnp.einsum("btnd,btsd->btns", q, keys, preferred_element_type=sd, precision=_DECIDE)
+    dots = wide_product(functools.partial(jnp.einsum, "btnd,btsd->btns", precision=_DECIDE),
+                        q, keys)
     return jnp.einsum("btns,btn->bts", jax.nn.relu(dots), w.astype(sd), precision=_DECIDE)
 
 

@@ -3,12 +3,14 @@
 The cache keeps each K/V head's vector per token (main cache role).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks
-from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
+from dsattn.attention.common import causal_mask, masked_softmax, split_keys, wide_product
 from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MHACache
 from dsattn.nn.layers import dense
@@ -50,11 +52,10 @@ class MHA(nnx.Module):
         g = self.n_heads // self.n_kv
         q = jnp.transpose(q.reshape(b, tq, self.n_kv, g, self.head_dim), (0, 2, 3, 1, 4))
         q = q.reshape(b, self.n_kv, g * tq, self.head_dim)  # [B, G, g·Tq, d]
-        sd = softmax_dtype(q.dtype)
         batch = ((0, 1), (0, 1))
-        s = jnp.concatenate([jax.lax.dot_general(q, k, (((3,), (3,)), batch),
-                                                 preferred_element_type=sd)
-                             for k, _, _ in segments], -1) * (self.head_dim ** -0.5)
+        product = functools.partial(jax.lax.dot_general, dimension_numbers=(((3,), (3,)), batch))
+        s = jnp.concatenate([wide_product(product, q, k) for k, _, _ in segments],
+                            -1) * (self.head_dim ** -0.5)
         p = masked_softmax(s.reshape(b, self.n_heads, tq, -1),
                            jnp.concatenate([m for _, _, m in segments], -1))
         p = p.reshape(b, self.n_kv, g * tq, -1)

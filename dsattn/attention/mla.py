@@ -10,12 +10,14 @@ The cache keeps one latent C^KV (kv_lora_rank dims, RMS-normed) and one rotary k
   weighted sum, so keys and values are never expanded.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import blocks
-from dsattn.attention.common import causal_mask, masked_softmax, softmax_dtype, split_keys
+from dsattn.attention.common import causal_mask, masked_softmax, split_keys, wide_product
 from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MLACache
 from dsattn.nn.layers import dense
@@ -85,9 +87,8 @@ class MLA(nnx.Module):
     def naive_scores(self, q_nope, q_pe, lat, expanded=None):
         """Per-head scores [B, H, Tq, Tk] through expanded keys."""
         k_nope, k_pe, _ = self.expand(lat) if expanded is None else expanded
-        sd = softmax_dtype(q_nope.dtype)
-        s = jnp.einsum("bqhn,bshn->bhqs", q_nope, k_nope, preferred_element_type=sd)
-        s = s + jnp.einsum("bqhr,bsr->bhqs", q_pe, k_pe, preferred_element_type=sd)
+        s = wide_product(functools.partial(jnp.einsum, "bqhn,bshn->bhqs"), q_nope, k_nope)
+        s = s + wide_product(functools.partial(jnp.einsum, "bqhr,bsr->bhqs"), q_pe, k_pe)
         return s * self.scale
 
     def naive_output(self, p, lat, expanded=None):
@@ -101,16 +102,17 @@ class MLA(nnx.Module):
         gathered per query (DSA decode reads only the selected tokens)."""
         w_uk, _ = self._up()
         q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, w_uk)  # fold W^UK into the query
-        sd = softmax_dtype(q_nope.dtype)
         if lat.ndim == 3:  # one [B, Tq·H, dc+dr] x [B, S, dc+dr] product, cache read in place
             b, tq, h = q_abs.shape[:3]
             qq = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], -1).reshape(b, tq * h, -1)
-            s = jax.lax.dot_general(qq, lat.astype(qq.dtype), (((2,), (2,)), ((0,), (0,))),
-                                    preferred_element_type=sd)
+            product = functools.partial(jax.lax.dot_general,
+                                        dimension_numbers=(((2,), (2,)), ((0,), (0,))))
+            s = wide_product(product, qq, lat.astype(qq.dtype))
             return jnp.transpose(s.reshape(b, tq, h, -1), (0, 2, 1, 3)) * self.scale
-        s = jnp.einsum("bqhc,bqsc->bhqs", q_abs, lat[..., : self.dc], preferred_element_type=sd)
-        s = s + jnp.einsum("bqhr,bqsr->bhqs", q_pe, lat[..., self.dc:],
-                           preferred_element_type=sd)
+        s = wide_product(functools.partial(jnp.einsum, "bqhc,bqsc->bhqs"), q_abs,
+                         lat[..., : self.dc])
+        s = s + wide_product(functools.partial(jnp.einsum, "bqhr,bqsr->bhqs"), q_pe,
+                             lat[..., self.dc:])
         return s * self.scale
 
     def absorbed_output(self, p, lat):
