@@ -159,7 +159,20 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert float(summary["mha"]["val_loss_mean"]) == pytest.approx(sum(losses) / 2)
     assert float(summary["mha"]["val_loss_hi"]) == pytest.approx(sum(losses) / 2 + half)
     assert {"recall_d8_lo", "recall_mean_hi", "train_tokens_per_s_std", "val_loss_x4_mean",
-            "recall_x2_d80_hi"} <= set(summary["mqa"])
+            "recall_x2_d80_hi", "recall_within_mean"} <= set(summary["mqa"])
+    # per row: reach (a layer without a window: every distance within), bytes per token and
+    # reads at 128K, own config in its formats (native float32) and BF16, and at full size
+    # (V4-Flash's own formats); no decode timing asked for, so no decode_ms column
+    assert summary["mha"]["reach"] == "" and summary["mha"]["loss_unit"] == "nats per answer token"
+    assert float(summary["mqa"]["storage_bytes_per_token"]) == 2 * 1 * 8 * 4
+    assert float(summary["mqa"]["storage_bf16_bytes_per_token"]) == 2 * 1 * 8 * 2
+    assert float(summary["mqa"]["read_bytes_128k"]) == 131072 * 2 * 1 * 8 * 4
+    assert float(summary["mha"]["full_storage_bytes_per_token"]) == 3514.25
+    assert "full_read_bf16_bytes_128k" in summary["mha"]
+    assert not [k for k in summary["mha"] if k.startswith("decode_ms")]
+    text = ablate.table(results)
+    assert "dec ms" not in text.splitlines()[0] and "not shown: dec ms: " in text
+    assert "mha vs mqa: loss " in text and "recall all d " in text
     mha, mqa = results[0], results[2]
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
     assert mha["kv"]["storage_bytes_per_token"] == 2 * 4 * 8 * 4
@@ -185,13 +198,16 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     # Kill the last run after its step-2 checkpoint: no result, no final checkpoint.
     last = out / "runs" / "mqa" / "seed1"
     sweep = ablate.load(path, out=out)
-    assert ablate.estimate(sweep)["units"] == 0  # every run finished
+    assert ablate.estimate(sweep)["seconds"] == 0  # every run finished
     (last / "result.json").unlink()
-    assert ablate.estimate(sweep)["units"] == 0  # trained to the end: only measurements left
+    left = ablate.estimate(sweep)  # trained to the end: only its measurements left
+    assert left["units"] == 0 and left["seconds"] == left["measure_s"] > 0
     shutil.rmtree(last / "checkpoints" / "4")
     left = ablate.estimate(sweep)  # one seed of one row left, timed in a scratch directory
-    assert left["units"] == 1 and left["step_s"] > 0  # its 2 steps after the step-2 save:
-    assert left["seconds"] == pytest.approx(left["compile_s"] + 2 * left["step_s"])
+    t = left["rows"]["mqa"]  # its 2 steps after the step-2 save, one validation (every 2)
+    assert left["units"] == 1 and t["step_s"] > 0 and list(left["rows"]) == ["mqa"]
+    assert left["seconds"] == pytest.approx(t["compile_s"] + 2 * t["step_s"] + t["eval_s"]
+                                            + t["measure_s"])
     finished = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/result.json")}
     again = ablate.run(path, out=out)
     assert [line.split()[3] for line in progress_lines(capsys)] == ["4/4"]  # 3 were done

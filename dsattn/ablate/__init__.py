@@ -102,21 +102,35 @@ def train_row(sweep: Sweep, row: Row, seeds, quiet=False,
     return out
 
 
+def _shape(cfg) -> str:
+    """What a training step's cost depends on: the model's sections and the batch's shape."""
+    d = cfg.to_dict()
+    t = d["train"]
+    return json.dumps({**{k: d[k] for k in ("model", "attention", "indexer", "cache", "mesh")},
+                       "batch": [t["batch_size"], t["seq_len"], t.get("grad_accum", 1)]},
+                      sort_keys=True, default=str)
+
+
 def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
-    """The expected training time of the runs a sweep has left, before any of them starts:
-    its first unfinished row's step (its seeds vmapped together, as the sweep trains them)
-    compiled and timed for `timed_steps` steps in a scratch directory, then extrapolated to
-    every unit left (a row's seeds together, or a seed alone) as compile + steps left x
-    step time (a run's steps after its last checkpoint). Every row is costed as the first;
-    validation, checkpoints and measurements are not in it. {"units", "compile_s", "step_s",
-    "seconds"}; seconds 0 when nothing is left."""
+    """The expected time of the runs a sweep has left, before any of them starts. Each
+    distinct row shape (`_shape`) with runs left is timed in a scratch directory: its step
+    compiled and timed for `timed_steps` steps (its seeds vmapped together, as the sweep
+    trains them), one validation, and one run's measurements (`measure`: recall, held-out
+    loss past the training length, decode timing). Every unit left (a row's seeds together,
+    or a seed alone) costs compile + steps left x step time + its validations; every run
+    left, a measurement. Checkpoint writes are not in it. Returns {"units", "rows": {row:
+    {compile_s, step_s, eval_s, measure_s}}, "train_s", "eval_s", "measure_s", "seconds",
+    "timing_s"} (timing_s: how long the estimate itself took); seconds 0 when nothing is
+    left."""
+    import math
     import tempfile
 
     import jax
 
+    from dsattn import checkpoint
     from dsattn.train import SeedGroup, Trainer
 
-    from dsattn import checkpoint
+    started = time.perf_counter()
 
     def steps_left(row, seed) -> int:  # 0: finished, or trained and only measurements left
         where = run_dir(sweep, row, seed)
@@ -127,37 +141,75 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
         return sweep.config(row, seed).train.steps - (saved or 0)
 
     todo = {row: {s: steps_left(row, s) for s in sweep.seeds} for row in sweep.rows}
-    left = {row: [s for s, n in by_seed.items() if n > 0] for row, by_seed in todo.items()}
-    left = {row: seeds for row, seeds in left.items() if seeds}
-    if not left:
-        return {"units": 0, "compile_s": 0.0, "step_s": 0.0, "seconds": 0.0}
-    row, seeds = next(iter(left.items()))
+    unmeasured = {row: [s for s in sweep.seeds
+                        if not (run_dir(sweep, row, s) / "result.json").exists()]
+                  for row in sweep.rows}
+    unmeasured = {row: seeds for row, seeds in unmeasured.items() if seeds}
+    if not unmeasured:
+        return {"units": 0, "rows": {}, "train_s": 0.0, "eval_s": 0.0, "measure_s": 0.0,
+                "seconds": 0.0, "timing_s": 0.0}
     together = sweep.vmap_seeds
+    cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
+    probes = {m: probes_for(sweep, cfg0, m) for m in (1, *sweep.lengths)}
+    timed: dict = {}  # shape -> its timings
+    rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = [Trainer(sweep.config(row, s), Path(tmp) / str(s), quiet=True)
-                    for s in (seeds if together else seeds[:1])]
-        unit = SeedGroup(trainers) if len(trainers) > 1 else trainers[0]
-        start = time.perf_counter()
-        jax.block_until_ready(unit.train_step(unit.batch_at(0), 0))
-        compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for step in range(1, timed_steps + 1):
-            jax.block_until_ready(unit.train_step(unit.batch_at(step), step))
-        step_s = (time.perf_counter() - start) / timed_steps
-    # a row's seeds together: its longest; alone: each its own
-    costs = [[todo[r][s] for s in seeds] for r, seeds in left.items()]
-    costs = [[max(c)] if together else c for c in costs]
-    seconds = sum(compile_s + n * step_s for c in costs for n in c)
-    return {"units": sum(map(len, costs)), "compile_s": compile_s, "step_s": step_s,
-            "seconds": seconds}
+        for row, seeds in unmeasured.items():
+            shape = _shape(sweep.config(row, seeds[0]))
+            if shape not in timed:
+                timed[shape] = _time_row(sweep, row, seeds if together else seeds[:1],
+                                         Path(tmp) / str(len(timed)), timed_steps, probes,
+                                         SeedGroup, Trainer, jax)
+            rows[row.name] = timed[shape]
+    train_s = eval_s = measure_s = 0.0
+    units = 0
+    for row, seeds in unmeasured.items():
+        t, cfg = rows[row.name], sweep.config(row, seeds[0])
+        left = [todo[row][s] for s in seeds if todo[row][s] > 0]
+        costs = [max(left)] if together and left else left
+        units += len(costs)
+        for n in costs:
+            train_s += t["compile_s"] + n * t["step_s"]
+            eval_s += math.ceil(n / cfg.train.eval_every) * t["eval_s"]
+        measure_s += len(seeds) * t["measure_s"]
+    return {"units": units, "rows": rows, "train_s": train_s, "eval_s": eval_s,
+            "measure_s": measure_s, "seconds": train_s + eval_s + measure_s,
+            "timing_s": time.perf_counter() - started}
+
+
+def _time_row(sweep, row, seeds, where: Path, timed_steps, probes, SeedGroup, Trainer, jax):
+    """One row shape's timings in a scratch directory: compile, a step, a validation (all
+    its seeds together when they train together) and one run's measurements."""
+    trainers = [Trainer(sweep.config(row, s), where / str(s), quiet=True) for s in seeds]
+    unit = SeedGroup(trainers) if len(trainers) > 1 else trainers[0]
+    start = time.perf_counter()
+    jax.block_until_ready(unit.train_step(unit.batch_at(0), 0))
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for step in range(1, timed_steps + 1):
+        jax.block_until_ready(unit.train_step(unit.batch_at(step), step))
+    step_s = (time.perf_counter() - start) / timed_steps
+    unit.validation_losses()  # compiles the evaluation step
+    start = time.perf_counter()
+    unit.validation_losses()
+    eval_s = time.perf_counter() - start
+    start = time.perf_counter()  # a member keeps its own (initial) weights: measured as one
+    measure(sweep, row, Trained(trainers[0], float("nan")), probes)
+    return {"compile_s": compile_s, "step_s": step_s, "eval_s": eval_s,
+            "measure_s": time.perf_counter() - start}
 
 
 def estimate_line(sweep: Sweep, e: dict) -> str:
-    if not e["units"]:
+    if not e["units"] and not e["measure_s"]:
         return f"estimate for sweep {sweep.name}: every run is finished"
-    return (f"estimate for sweep {sweep.name}: about {e['seconds'] / 60:.1f} min of training "
-            f"left: {e['units']} x (compile {e['compile_s']:.1f} s + the steps at "
-            f"{e['step_s']:.3f} s each), every row timed as its first; measurements extra")
+    rows = "; ".join(f"{name} compile {t['compile_s']:.1f} s, step {t['step_s']:.3f} s, "
+                     f"validation {t['eval_s']:.2f} s, measurement {t['measure_s']:.1f} s"
+                     for name, t in e["rows"].items())
+    return (f"estimate for sweep {sweep.name}: about {e['seconds'] / 60:.1f} min left "
+            f"({e['units']} training units: training {e['train_s'] / 60:.1f} min, "
+            f"validation {e['eval_s'] / 60:.1f} min, measurements {e['measure_s'] / 60:.1f} "
+            f"min; checkpoint writes extra), each row shape timed ({rows}; timing took "
+            f"{e['timing_s']:.0f} s)")
 
 
 def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:

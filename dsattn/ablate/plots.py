@@ -81,7 +81,8 @@ def plots(out, results: list[dict]) -> list[Path]:
         elif positive:
             a.set_xscale("log")
         a.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
-        a.legend(fontsize=7, ncol=2)
+        if a.get_legend_handles_labels()[0]:  # no recall beyond any reach: nothing to label
+            a.legend(fontsize=7, ncol=2)
     ax.set_ylabel(f"held-out loss ({unit})")
     ax.set_title("held-out loss vs KV bytes per token\n(mean, bars: 95% interval over seeds)")
     ax_r.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":")
