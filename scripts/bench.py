@@ -27,6 +27,10 @@ devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
 temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) for each
 preset, into ``long_context.{json,txt,png}``.
 
+--precision STEPS instead trains each preset STEPS steps under float32 and bfloat16 compute
+(float32 weights both): final validation losses side by side and the backward pass's saved
+residual bytes at 8K tokens, into ``precision.{json,txt}``.
+
 --generate instead times generate() (64 new tokens after a 16-token prompt, prefill
 included) with its token loop on the device and on the host, alternating, into
 ``generate.{json,txt}``.
@@ -107,6 +111,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-step-s", type=float, default=60.0,
                     help="--long-context: stop timing a preset after a step this long "
                          "(0: memory only)")
+    ap.add_argument("--precision", type=int, default=0, metavar="STEPS",
+                    help="train each preset STEPS steps in float32 and in bfloat16 compute: "
+                         "final validation loss and saved residuals side by side, and stop")
     ap.add_argument("--generate", action="store_true",
                     help="generate() tokens/s, device vs host token loop, and stop")
     ap.add_argument("--seeds", type=int, default=0,
@@ -180,6 +187,15 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     if args.mesh:
         return mesh_measures(args)
+    if args.precision:
+        from dsattn.bench import precision
+
+        presets = tuple(p for p in args.presets.split(",") if p)
+        rows = precision.parity(args.configs, presets, args.precision, *args.set)
+        (Path(args.out) / "precision.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "precision.txt").write_text(precision.table(rows) + "\n")
+        print(precision.table(rows))
+        return {"precision": rows}
     if args.long_context:
         from dsattn.bench import long_context
 

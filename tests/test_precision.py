@@ -326,3 +326,18 @@ def test_wide_product_backward_runs_in_the_inputs_dtype():
     np.testing.assert_array_equal(out32, plain32)
     for got, ref in zip(grads32, plain_grads):
         np.testing.assert_array_equal(got, ref)
+
+
+def test_precision_parity_bench_trains_both_dtypes_on_the_same_batches():
+    """scripts/bench.py --precision's rows: each dtype's validation loss after training, the
+    relative difference between them, and the residual ratio, from the same data."""
+    from dsattn.bench import precision
+
+    (row,) = precision.parity(TINY_CONFIGS, ["mha"], 2, "model.n_layers=1",
+                              "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
+                              residual_len=256, log=lambda line: None)
+    assert row["val_loss_bfloat16"] != row["val_loss_float32"]  # two dtypes really ran
+    assert row["val_loss_rel_diff"] == pytest.approx(
+        row["val_loss_bfloat16"] / row["val_loss_float32"] - 1)
+    assert abs(row["val_loss_rel_diff"]) < 0.02  # two steps from the same initial weights
+    assert row["residual_ratio"] < 0.75  # one layer: the float32 loss is a larger share
