@@ -52,6 +52,7 @@ __all__ = [
     "global_bytes",
     "read_counts",
     "report",
+    "format_report",
 ]
 
 
@@ -147,12 +148,17 @@ def _layer_reads(it: dict, counts: dict) -> tuple[Fraction, Fraction, Fraction]:
     return local, main, key
 
 
-def report(cfg: Config, context: int) -> dict:
+def report(cfg: Config, context: int, show: bool = False) -> dict:
     """Storage, local bytes and one decode step's reads at ``context`` cached tokens.
 
     Returns a JSON-ready dict; ``layers`` holds the per-layer breakdown (kind, ratio, sharing
-    sources, item sizes, storage, items read and bytes read).
+    sources, item sizes, storage, items read and bytes read). ``show=True`` also prints it as
+    a table (``format_report``).
     """
+    if show:
+        out = report(cfg, context)
+        print(format_report(out))
+        return out
     _check_context(context)
     a = cfg.attention
     store = storage_per_layer_exact(cfg)
@@ -224,3 +230,35 @@ def report(cfg: Config, context: int) -> dict:
         "keys_scanned": sum(c["keys_scanned"] for c in counts),
         "layers": layers,
     }
+
+
+def _si(n) -> str:
+    """Bytes with a decimal prefix: 3.21 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g} B"
+
+
+def format_report(rep: dict) -> str:
+    """A `report` as a readable table: the totals, then one line per layer."""
+    ctx = rep["context"]
+    lines = [
+        f"{rep['name']}: {rep['n_layers']} layers, KV cache at {ctx:,} cached tokens",
+        f"  stored per token   {rep['storage_bytes_per_token']:,.2f} B as deployed, "
+        f"{rep['storage_bf16_bytes_per_token']:,.2f} B all BF16 "
+        f"({rep['storage_layers']} layers store global KV)",
+        f"  local windows      {_si(rep['local_bytes'])} (fixed once full)",
+        f"  cache of one seq.  {_si(rep['cache_bytes'])} (global {_si(rep['global_bytes'])})",
+        f"  read per step      {_si(rep['read_bytes'])}: KV {_si(rep['read_kv_bytes'])}, "
+        f"search keys {_si(rep['read_key_bytes'])} ({100 * rep['read_key_share']:.1f}%); "
+        f"all BF16 {_si(rep['read_bf16_bytes'])}",
+        f"  {'layer':>5} {'kind':<8} {'ratio':>5} {'B/token':>10} {'window':>7} "
+        f"{'entries':>8} {'keys':>8} {'read/step':>10}",
+    ]
+    for r in rep["layers"]:
+        lines.append(f"  {r['layer']:>5} {r['kind']:<8} {r['ratio'] or '-':>5} "
+                     f"{r['storage_bytes_per_token']:>10,.2f} {r['window_read']:>7} "
+                     f"{r['entries_read']:>8} {r['keys_scanned']:>8} "
+                     f"{_si(r['read_bytes']):>10}")
+    return "\n".join(lines)

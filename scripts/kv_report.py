@@ -6,7 +6,12 @@ beside model FLOPs per token.
 
 Prints one row per config (the byte accounting of dsattn.kvbytes; docs/design.md, "Byte
 accounting"): a YAML preset (row named by its config name) or a run directory (its
-config.yaml; row named by the run directory). "vs" is the reference's storage per token over
+config.yaml; row named by the shortest tail of its path no other row shares, e.g.
+csa_m2/seed0). A row may carry its own overrides and name:
+
+    python scripts/kv_report.py configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2 \
+        configs/deepseek/v4_flash.yaml=csa4     # V4-Flash at m=2 against its own m=4
+ "vs" is the reference's storage per token over
 the row's: the first row named mha*, else the largest. The last two columns are model FLOPs
 per token (dsattn.flops; matmuls only, MoE out of scope: the presets' FFN as configured):
 a training step on sequences of --context tokens, and one decode step at --context cached
@@ -76,6 +81,25 @@ def _bytes(x: float) -> str:
     return f"{x:,.2f}".rstrip("0").rstrip(".") if x != int(x) else f"{int(x):,}"
 
 
+def parse_row(arg: str) -> tuple[str, list[str], str | None]:
+    """PATH[:KEY=VALUE[:KEY=VALUE...]][=LABEL] -> (path, the row's overrides, its label).
+    A label follows the last override's value after one more '=' (or the path's, with no
+    override): configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2."""
+    if Path(arg).exists():
+        return arg, [], None
+    path, _, rest = arg.partition(":")
+    label = None
+    if not rest:
+        path, eq, label = arg.rpartition("=")
+        return (path, [], label) if eq and Path(path).exists() else (arg, [], None)
+    overrides = rest.split(":")
+    key, eq, value = overrides[-1].partition("=")
+    if eq and "=" in value:
+        value, _, label = value.rpartition("=")
+        overrides[-1] = f"{key}={value}"
+    return path, overrides, label or None
+
+
 def load(path, overrides=()):
     """A preset file, or a run directory's config.yaml."""
     path = Path(path)
@@ -89,6 +113,41 @@ def label(path, cfg) -> str:
     return Path(path).resolve().name if Path(path).is_dir() else cfg.name
 
 
+def labels(args, cfgs) -> list[str]:
+    """Each row's name: its LABEL, else the config's (a preset's name, or a run directory's
+    shortest path tail that no other run directory shares: runs/x/csa_m2/seed0, not seed0)
+    with its own overrides appended; names still shared get #2, #3..."""
+    parsed = [parse_row(a) for a in args]
+    names = []
+    for (path, ovs, given), cfg in zip(parsed, cfgs):
+        if given:
+            names.append(given)
+            continue
+        if Path(path).is_dir():
+            parts = Path(path).resolve().parts
+            others = [Path(p).resolve().parts for p, _, _ in parsed
+                      if Path(p).is_dir() and Path(p).resolve().parts != parts]
+            n = 1
+            while n < len(parts) and any(o[-n:] == parts[-n:] for o in others):
+                n += 1
+            base = "/".join(parts[-n:])
+        else:
+            base = cfg.name
+        names.append(base + "".join(f" {o}" for o in ovs))
+    return [f"{n} #{names[:i + 1].count(n)}" if names.count(n) > 1 else n
+            for i, n in enumerate(names)]
+
+
+def load_rows(args, overrides=()):
+    """(configs, names) of CONFIG_OR_RUN_DIR arguments, each with its own overrides after
+    the shared ones."""
+    cfgs = []
+    for a in args:
+        path, ovs, _ = parse_row(a)
+        cfgs.append(load(path, [*overrides, *ovs]))
+    return cfgs, labels(args, cfgs)
+
+
 def reference_row(rows: list[dict]) -> dict:
     """The first config named mha*, else the one with the largest storage per token."""
     for r in rows:
@@ -99,10 +158,10 @@ def reference_row(rows: list[dict]) -> dict:
 
 def build_rows(paths, context: int, overrides=()) -> list[dict]:
     rows = []
-    for p in paths:
-        cfg = load(p, overrides)
+    cfgs, names = load_rows(paths, overrides)
+    for p, cfg, name in zip(paths, cfgs, names):
         row = kvbytes.report(cfg, context)
-        row.update(name=label(p, cfg), preset=cfg.name, config=str(p),
+        row.update(name=name, preset=cfg.name, config=str(p),
                    train_flops=flops.train_breakdown(cfg, context),
                    decode_flops=flops.decode_breakdown(cfg, context))
         row["train_flops_per_token"] = row["train_flops"]["total"]
@@ -184,8 +243,7 @@ def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfgs = [load(p, overrides) for p in paths]
-    names = [label(p, c) for p, c in zip(paths, cfgs)]
+    cfgs, names = load_rows(paths, overrides)
     xs = _contexts()
     files = []
 
@@ -231,7 +289,10 @@ def write_plots(paths, out: Path, budget_gb: float, overrides=()) -> list[Path]:
 def main(argv=None) -> int:
     ap = cli.parser(__doc__, overrides=True)
     ap.add_argument("configs", nargs="+", metavar="CONFIG_OR_RUN_DIR",
-                    help="YAML presets (e.g. configs/deepseek/*.yaml) or run directories")
+                    help="YAML presets (e.g. configs/deepseek/*.yaml) or run directories, "
+                         "each optionally PATH:KEY=VALUE[:KEY=VALUE...][=LABEL]: overrides "
+                         "of that row alone and its name, e.g. "
+                         "configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2")
     ap.add_argument("--context", type=parse_tokens, default=131072,
                     help="tokens already cached for the read columns (default 131072 = 128K)")
     ap.add_argument("--out", type=Path, default=Path("runs/kv_report"),

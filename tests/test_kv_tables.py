@@ -1,0 +1,55 @@
+"""scripts/kv_report.py rows with their own overrides and names, unambiguous names for run
+directories that share a last component, and dsattn.kvbytes.report's printed table."""
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from dsattn import config, kvbytes
+from tests.helpers import ROOT
+
+FLASH = os.path.join(ROOT, "configs", "deepseek", "v4_flash.yaml")
+
+
+def _kv_report():
+    spec = importlib.util.spec_from_file_location(
+        "kv_report", Path(ROOT) / "scripts" / "kv_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rows_take_their_own_overrides_and_labels():
+    kv_report = _kv_report()
+    rows = kv_report.build_rows([f"{FLASH}:attention.csa_ratio=2=csa2", f"{FLASH}=csa4",
+                                 f"{FLASH}:attention.top_k=256"], 131072)
+    assert [r["name"] for r in rows] == ["csa2", "csa4", "v4_flash attention.top_k=256"]
+    m2 = config.load(FLASH, ["attention.csa_ratio=2"])
+    assert rows[0]["storage_bytes_per_token"] == kvbytes.storage_per_token(m2)
+    assert rows[1]["storage_bytes_per_token"] == 3514.25  # V4-Flash as shipped
+    # halving m doubles each CSA layer's entries: more bytes per token than m=4
+    assert rows[0]["storage_bytes_per_token"] > rows[1]["storage_bytes_per_token"]
+
+
+def test_run_directories_sharing_a_name_are_told_apart(tmp_path):
+    kv_report = _kv_report()
+    dirs = [tmp_path / "sweep" / "runs" / row / "seed0" for row in ("csa_m2", "csa_m4")]
+    for d in dirs:
+        d.mkdir(parents=True)
+        shutil.copy(FLASH, d / "config.yaml")
+    cfgs = [config.load(FLASH)] * 2
+    assert kv_report.labels([str(d) for d in dirs], cfgs) == ["csa_m2/seed0", "csa_m4/seed0"]
+    assert kv_report.labels([FLASH, FLASH], cfgs) == ["v4_flash #1", "v4_flash #2"]
+
+
+def test_report_prints_a_table_when_asked(capsys):
+    cfg = config.load(os.path.join(ROOT, "configs", "tiny", "v4.yaml"))
+    rep = kvbytes.report(cfg, 131072, show=True)
+    text = capsys.readouterr().out
+    assert rep == kvbytes.report(cfg, 131072) and text.strip() == kvbytes.format_report(rep)
+    lines = text.splitlines()
+    # tiny V4: CSA layers at m=4 store (64 + 32)-dim float32 entry + key / 4 = 96 B a token
+    assert "224.00 B as deployed" in lines[1] and len(lines) == 6 + len(cfg.attention.layers)
+    assert lines[-4].split()[:4] == ["2", "csa", "4", "96.00"]
+    assert kvbytes.report(cfg, 131072) is not None and not capsys.readouterr().out
