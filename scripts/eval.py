@@ -60,6 +60,19 @@ def check_tokenizer(run_dir, source: str) -> None:
                          f"{source!r} is not a token directory prepared with that tokenizer")
 
 
+def warn_overlap(rows, split_tokens: int) -> None:
+    """The batches' windows are drawn from the validation split: scoring more tokens than it
+    holds scores the same tokens again, so the loss rests on fewer tokens than it says."""
+    import warnings
+
+    for r in rows:
+        if r["tokens"] > split_tokens:
+            warnings.warn(f"seq_len {r['seq_len']}: {r['tokens']} tokens scored from a "
+                          f"validation split of {split_tokens}: its windows overlap, so the "
+                          f"loss rests on at most {split_tokens} distinct tokens (fewer "
+                          f"--batches or --batch-size, or a larger data.val_fraction)")
+
+
 def main(argv=None):
     args = cli.parse(parser(), argv)
     from dsattn import checkpoint, data, evaluate  # after parsing: usage errors skip JAX
@@ -75,6 +88,7 @@ def main(argv=None):
     rows = evaluate.evaluate(model, cfg, lens, n_batches=args.batches,
                              batch_size=args.batch_size, corpus=corpus, quiet=args.quiet,
                              progress_every=args.progress_every)
+    warn_overlap(rows, len(corpus.val))
     print(f"{args.run_dir} (step {step}), validation split of {cfg.data.source}; "
           f"trained at seq_len {cfg.train.seq_len}")
     print(f"{'seq_len':>8} {'tokens':>9} {'nats/token':>11} {'bits/byte':>10}")
