@@ -5,13 +5,30 @@
     python scripts/ablate.py --report SWEEP_DIR
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] --estimate
 
-KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped sweep up).
-Before training it prints the expected training time of what is left, from a few timed
-steps of the first unfinished row; --estimate prints only that (e.g. to size an override
-set for an accelerator before committing to it). Rerunning resumes: finished runs are
-skipped, an interrupted one resumes from its checkpoint. The sweep directory (default
-runs/ablations/<name>) holds runs/<row>/seed<k>/, results.csv, results.json, pareto.png,
-recall.png and curves.png.
+KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped sweep up;
+warm-ups do not scale with it: docs/ablations/README.md). Before training it prints the
+expected time of what is left, each row shape timed (compile, steps, validation,
+measurement); --estimate prints only that. Rerunning resumes: finished runs are skipped, an
+interrupted one resumes from its checkpoint. The sweep directory (default
+runs/ablations/<name>) holds runs/<row>/seed<k>/, results.csv, summary.csv, results.json,
+pareto.png, recall.png and curves.png. The report compares every pair of rows on loss and
+on recall within and beyond their window reach, n_layers x (window - 1).
+
+The sweep file (YAML; commented example: examples/csa_ratio_sweep.yaml; docs/ablations/):
+  name: csa_ratio                    default: the file's name
+  base: configs/tiny/v4.yaml         required: the preset every row starts from
+  full_size: configs/deepseek/v4_flash.yaml   optional: KV bytes also at full size
+  overrides: [train.steps=400, ...]  shared by every row (list or mapping)
+  rows:                              each {name, overrides}
+    - {name: window, overrides: [attention.layers=swa]}
+    - {name: csa_m2, overrides: ["attention.layers=swa, csa", attention.csa_ratio=2]}
+  grid: {attention.csa_ratio: [2, 4]}   optional: one more row per combination
+  seeds: [0, 1]                      default [0]
+  recall: {distances: [2, 16, 62], per_distance: 64, seq_len: 0, through_cache: false}
+  lengths: [2, 4]                    also evaluated at these multiples of train.seq_len
+  decode_context: 4096               decode step timing context (0: none)
+  vmap_seeds: true                   a row's seeds as one vmapped model
+  out: runs/ablations/csa_ratio      the sweep directory (--out wins)
 """
 
 import sys

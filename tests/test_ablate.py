@@ -341,3 +341,29 @@ def test_shipped_ratios_report_answers_beyond_the_window(tmp_path):
     assert float(summary["window"]["recall_beyond_mean"]) == pytest.approx(
         sum(window) / len(window))
     assert summary["window"]["reach"] == "14" and summary["full"]["reach"] == "126"
+
+
+def test_a_shrunk_recipe_warns_of_its_unscaled_warmups():
+    """The ratios recipe at 400 steps keeps its 200 warm steps: half the run."""
+    ratios = os.path.join(ROOT, "configs", "ablations", "ratios.yaml")
+    with pytest.warns(UserWarning, match=r"recall warm_steps=200 is 50% of train.steps=400"):
+        ablate.load(ratios, ["train.steps=400"])
+
+
+def test_every_sweep_key_is_documented_with_an_example():
+    """ablate.py --help, docs/ablations/README.md and the commented example name every key a
+    sweep file takes; the example loads."""
+    from dsattn.ablate import spec
+
+    keys = [*spec.SWEEP_KEYS, *(f"recall.{k}" for k in spec.RECALL_KEYS)]
+    p = run_script("ablate", "--help")
+    docs = open(os.path.join(ROOT, "docs", "ablations", "README.md")).read()
+    example = os.path.join(ROOT, "examples", "csa_ratio_sweep.yaml")
+    written = yaml.safe_load(open(example))
+    for key in keys:
+        leaf = key.split(".")[-1]
+        assert f"{leaf}:" in p.stdout.decode(), key
+        assert f"`{key}`" in docs, key
+        assert leaf in (written.get("recall", {}) if key.startswith("recall.") else written) \
+            or f"# {leaf}:" in open(example).read(), key
+    assert [r.name for r in ablate.load(example).rows] == ["window", "csa_m2", "csa_m4"]

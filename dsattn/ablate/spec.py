@@ -198,6 +198,7 @@ def _validate(sweep: Sweep) -> Sweep:
         except ConfigError as e:
             raise ConfigError(f"row {row.name!r}: {e}") from None
         cfgs.append(cfg)
+    _warn_long_warmups(sweep, cfgs[0])
     probe_len = sweep.probe_len or cfgs[0].train.seq_len
     source = cfgs[0].data.source
     spec = recall.parse_source(source) if recall.is_recall(source) else recall.RecallSpec()
@@ -229,6 +230,25 @@ def from_resolved(raw: dict) -> Sweep:
     out = Path(raw.pop("out"))
     return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},
                  rows=rows, out=out)
+
+
+WARMUP_SHARE = 0.25  # a warm-up longer than this share of train.steps is likely unscaled
+
+
+def _warn_long_warmups(sweep: Sweep, cfg) -> None:
+    """Warm-ups are counted in steps: a recipe shrunk with train.steps=N keeps them, and a
+    short run spends most of itself warming up. Scale them with train.steps (docs/ablations)."""
+    import warnings
+
+    steps = cfg.train.steps
+    spec = recall.parse_source(cfg.data.source) if recall.is_recall(cfg.data.source) else None
+    for key, n in (("train.warmup_steps", cfg.train.warmup_steps),
+                   ("indexer.dense_warmup_steps", cfg.indexer.dense_warmup_steps),
+                   ("data.source recall warm_steps", spec.warm_steps if spec else 0)):
+        if n > WARMUP_SHARE * steps:
+            warnings.warn(f"sweep {sweep.name}: {key}={n} is {n / steps:.0%} of train.steps="
+                          f"{steps}; warm-ups do not scale with train.steps: scale them with "
+                          f"it (docs/ablations/README.md, 'Scaling a recipe')")
 
 
 def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:
