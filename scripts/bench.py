@@ -27,6 +27,9 @@ devices (times not meaningful on a CPU; compile counts are), into ``mesh.json``.
 temporary bytes (the compiled program's memory analysis) and tokens/s (batch 1) for each
 preset, into ``long_context.{json,txt,png}``.
 
+--fit-gib GIB instead finds, for each preset and length, the largest batch whose training step
+fits GIB of device memory (compiled memory analysis at batch 1 and 2), into ``fit.json``.
+
 --precision STEPS instead trains each preset STEPS steps under float32 and bfloat16 compute
 (float32 weights both): final validation losses side by side and the backward pass's saved
 residual bytes at 8K tokens, into ``precision.{json,txt}``.
@@ -114,6 +117,9 @@ def parse_args(argv=None):
     ap.add_argument("--precision", type=int, default=0, metavar="STEPS",
                     help="train each preset STEPS steps in float32 and in bfloat16 compute: "
                          "final validation loss and saved residuals side by side, and stop")
+    ap.add_argument("--fit-gib", type=float, default=0, metavar="GIB",
+                    help="the largest batch at --lengths whose training step fits GIB of "
+                         "device memory, by compiled memory analysis, and stop")
     ap.add_argument("--generate", action="store_true",
                     help="generate() tokens/s, device vs host token loop, and stop")
     ap.add_argument("--seeds", type=int, default=0,
@@ -187,6 +193,21 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     if args.mesh:
         return mesh_measures(args)
+    if args.fit_gib:
+        from dsattn.bench import long_context
+
+        rows = []
+        for name in (p for p in args.presets.split(",") if p):
+            for t in args.lengths:
+                cfg = long_context.at_length(f"{args.configs}/{name}.yaml", t, *args.set)
+                row = {"preset": name, **long_context.largest_batch(
+                    cfg, t, int(args.fit_gib * long_context.GIB))}
+                rows.append(row)
+                print(f"{name} T={t}: {row['temp_bytes_per_row'] / long_context.GIB:.2f} GiB "
+                      f"a row, {row['argument_bytes'] / long_context.GIB:.2f} GiB weights and "
+                      f"optimizer state: batch {row['largest_batch']} fits {args.fit_gib:g} GiB")
+        (Path(args.out) / "fit.json").write_text(json.dumps(rows, indent=1))
+        return {"fit": rows}
     if args.precision:
         from dsattn.bench import precision
 

@@ -341,3 +341,15 @@ def test_precision_parity_bench_trains_both_dtypes_on_the_same_batches():
         row["val_loss_bfloat16"] / row["val_loss_float32"] - 1)
     assert abs(row["val_loss_rel_diff"]) < 0.02  # two steps from the same initial weights
     assert row["residual_ratio"] < 0.75  # one layer: the float32 loss is a larger share
+
+
+def test_largest_batch_is_the_largest_that_fits():
+    """bench --fit-gib: the batch it extrapolates from batch 1 and 2 fits the budget by the
+    compiled step's own memory analysis, and one more row does not."""
+    from dsattn.bench.long_context import largest_batch, train_step_memory
+
+    cfg = at_length(f"{TINY_CONFIGS}/mha.yaml", 128, "model.n_layers=1")
+    total = lambda b: sum(train_step_memory(cfg, 128, b).values())  # noqa: E731
+    budget = total(3) + (total(4) - total(3)) // 2
+    assert largest_batch(cfg, 128, budget)["largest_batch"] == 3
+    assert total(3) <= budget < total(4)

@@ -47,6 +47,19 @@ def train_step_memory(cfg, seq_len: int, batch: int = 1) -> dict:
             "argument_bytes": int(mem.argument_size_in_bytes)}
 
 
+def largest_batch(cfg, seq_len: int, device_bytes: int) -> dict:
+    """The largest batch of `seq_len`-token rows whose training step fits `device_bytes`: the
+    compiled step's arguments (weights, optimizer state, the batch) plus its temporaries, by
+    memory analysis at batch 1 and 2 and extrapolated linearly (a step's temporaries grow
+    by one row's activations per row)."""
+    one, two = (train_step_memory(cfg, seq_len, b) for b in (1, 2))
+    per_row = two["temp_bytes"] - one["temp_bytes"]
+    fixed = one["argument_bytes"] + one["temp_bytes"] - per_row
+    return {"seq_len": seq_len, "temp_bytes_batch1": one["temp_bytes"],
+            "temp_bytes_per_row": per_row, "argument_bytes": one["argument_bytes"],
+            "largest_batch": int((device_bytes - fixed) // per_row)}
+
+
 def _saved_residuals(f, *args):
     """jax's list of (aval, where it comes from) that `print_saved_residuals` prints (jax
     0.10 exports only the printing one)."""
