@@ -78,6 +78,18 @@ class AttentionConfig:
     head_dim: int = 32  # per-head dim of mha/gqa/mqa
     n_kv_heads: int = 0  # mha/gqa/mqa; 0 means n_heads
     rope_theta: float = 10000.0
+    # RoPE scaling (none | yarn), on the roles DeepSeek scales: every MLA/DSA/MHA layer's
+    # rope (and the MLA softmax scale by mscale(factor, mscale_all_dim)^2), and V4's
+    # compressed layers (compress_rope_theta; SWA layers keep the plain rope). Active only
+    # when model.max_seq_len > yarn_original_max_position, as in DeepSeek's reference.
+    # docs/design.md, "YaRN".
+    rope_scaling: str = "none"
+    yarn_factor: float = 1.0
+    yarn_original_max_position: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0  # with mscale_all_dim: cos/sin x mscale(f, this)/mscale(f, all)
+    yarn_mscale_all_dim: float = 0.0  # 0: no softmax-scale factor (V4)
     # MLA (V2/V3/V3.2)
     q_lora_rank: int = 0  # 0: queries straight from x (MHA/MLA); V4 family needs > 0
     kv_lora_rank: int = 64
@@ -444,6 +456,17 @@ def _check_attention(cfg: Config) -> None:
     if a.n_kv_heads < 0:
         raise ConfigError(f"attention.n_kv_heads: must be >= 0 (0: n_heads), got {a.n_kv_heads}")
     _above_zero(a.rope_theta, "attention.rope_theta")
+    _choice(a.rope_scaling, ("none", "yarn"), "attention.rope_scaling")
+    if a.rope_scaling == "yarn":
+        if not 1 <= a.yarn_factor < math.inf:
+            raise ConfigError(f"attention.yarn_factor: must be >= 1, got {a.yarn_factor}")
+        _positive(a.yarn_original_max_position, "attention.yarn_original_max_position")
+        _above_zero(a.yarn_beta_slow, "attention.yarn_beta_slow")
+        if a.yarn_beta_fast <= a.yarn_beta_slow:
+            raise ConfigError(f"attention.yarn_beta_fast: must exceed yarn_beta_slow="
+                              f"{a.yarn_beta_slow}, got {a.yarn_beta_fast}")
+        _at_least_zero(a.yarn_mscale, "attention.yarn_mscale")
+        _at_least_zero(a.yarn_mscale_all_dim, "attention.yarn_mscale_all_dim")
     if Family.MHA in fams:
         _positive(a.head_dim, "attention.head_dim")
         kv = a.n_kv_heads or a.n_heads

@@ -21,6 +21,7 @@ from dsattn.attention.local import LocalKV, Window
 from dsattn.attention.query import Query
 from dsattn.cache import formats, ring
 from dsattn.cache.layer_caches import V4Cache
+from dsattn.nn.rope import scaled
 from dsattn.plan import LayerSpec
 
 
@@ -30,7 +31,8 @@ class V4Attention(nnx.Module):
         self.dtype = jnp.dtype(cfg.model.dtype)
         self.ratio = spec.ratio
         # Compressed layers use their own RoPE base (V4: compress_rope_theta), SWA the plain one.
-        self.theta = a.compress_rope_theta if spec.ratio else a.rope_theta
+        # YaRN (attention.rope_scaling) scales the compressed layers' rope only, as V4 ships.
+        self.theta = scaled(cfg, a.compress_rope_theta) if spec.ratio else a.rope_theta
         self.window, self.rope_dim = a.window, a.rope_dim
         self.local_fmt, self.fake_quant = c.local_format, c.fake_quant
         self.query = Query(cfg, rngs)

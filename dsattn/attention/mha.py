@@ -15,7 +15,7 @@ from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MHACache
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
-from dsattn.nn.rope import apply_rope
+from dsattn.nn.rope import apply_rope, scaled, softmax_mscale
 
 
 class MHA(nnx.Module):
@@ -25,7 +25,8 @@ class MHA(nnx.Module):
         self.dtype = prec.dtype
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.n_kv = a.n_kv_heads or a.n_heads
-        self.theta = a.rope_theta
+        self.theta = scaled(cfg, a.rope_theta)
+        self.scale = self.head_dim ** -0.5 * softmax_mscale(cfg)
         self.query_block = a.query_block
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
@@ -55,7 +56,7 @@ class MHA(nnx.Module):
         batch = ((0, 1), (0, 1))
         product = functools.partial(jax.lax.dot_general, dimension_numbers=(((3,), (3,)), batch))
         s = jnp.concatenate([wide_product(product, q, k) for k, _, _ in segments],
-                            -1) * (self.head_dim ** -0.5)
+                            -1) * self.scale
         p = masked_softmax(s.reshape(b, self.n_heads, tq, -1),
                            jnp.concatenate([m for _, _, m in segments], -1))
         p = p.reshape(b, self.n_kv, g * tq, -1)

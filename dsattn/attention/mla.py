@@ -23,7 +23,7 @@ from dsattn.cache.layer_caches import MLACache
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.precision import Precision
-from dsattn.nn.rope import apply_rope
+from dsattn.nn.rope import apply_rope, scaled, softmax_mscale
 
 
 class MLA(nnx.Module):
@@ -33,9 +33,9 @@ class MLA(nnx.Module):
         self.dtype = prec.dtype
         self.h, self.dc, self.dr = a.n_heads, a.kv_lora_rank, a.qk_rope_dim
         self.dn, self.dv = a.qk_nope_dim, a.v_head_dim
-        self.theta = a.rope_theta
+        self.theta = scaled(cfg, a.rope_theta)  # every MLA/DSA layer's rope is YaRN-scaled
         self.query_block = a.query_block
-        self.scale = (self.dn + self.dr) ** -0.5
+        self.scale = (self.dn + self.dr) ** -0.5 * softmax_mscale(cfg)
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
         d, std, dt = m.d_model, m.init_std, prec
