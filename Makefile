@@ -1,11 +1,14 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both create .venv when missing.
+# Tests come in two tiers: `make test` (the fast tier, every test not marked `full`: minutes)
+# and `make test-all` (both tiers: the 8-device sharding checks, the broad property searches,
+# sweeps and benches too). `make test-full` runs the full tier alone (CI: `make test` first).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PEER_STAMP := $(VENV)/.installed-peer
 
-.PHONY: demo test install clean
+.PHONY: demo test test-all test-full install clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,8 +28,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
+
 test: $(PEER_STAMP)
-	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal --durations=15 tests
+	$(PYTEST) -x -m "not full" tests
+
+test-all: $(PEER_STAMP)
+	$(PYTEST) tests
+
+test-full: $(PEER_STAMP)
+	$(PYTEST) -m full tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

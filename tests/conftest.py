@@ -3,6 +3,7 @@ decode-vs-forward comparisons are tight and near-ties cannot flip a top-k; prese
 float32 say so. Shared helpers live in tests/helpers.py."""
 
 import os
+import re
 
 # The tests check numbers, not speed: LLVM at -O0 compiles XLA:CPU programs ~30% faster,
 # and compiling is most of this suite's time. (Scripts the tests start inherit it.)
@@ -10,5 +11,215 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
                                    "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+
+# --- Tiers. `make test` runs `-m "not full"` (the fast tier); `make test-all` everything.
+# Whole tests and modules mark themselves with @pytest.mark.full where they are written
+# (the 8-device sharding checks, the property searches, the benchmarks); the parameter cases
+# and tests below move to the full tier from here, each with the fast-tier test that keeps
+# its promise covered. A node id names one case ("...[v4]") or every case of a test.
+FULL = {
+    # cheaper cases of the same test stay fast; each family's causality: test_properties
+    "tests/test_blocks.py::test_training_step_memory_grows_linearly_with_the_sequence[v4-extra0]":
+        "[mha-extra1] stays",
+    "tests/test_blocks.py::test_dense_warmup_reads_every_complete_entry_by_blocks":
+        "block-size independence: test_loss_and_gradients_do_not_depend_on_block_sizes",
+    "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[v4-extra0]":
+        "[mla], [mha] stay",
+    "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[v41-extra1]":
+        "[mla], [mha] stay",
+    "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[dsa-extra2]":
+        "[mla], [mha] stay",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[csa_warmup]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[v41]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[csa]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[hca]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[mla]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[dsa]": "[mha] stays",
+    "tests/test_blocks.py::test_causal_segments_equal_one_segment[gqa]": "[mha] stays",
+    "tests/test_blocks.py::test_remat_changes_no_number[model.remat=dots_with_no_batch_dims_"
+    "saveable-layers1]": "[model.remat=block-layers0] stays",
+    "tests/test_blocks.py::test_remat_changes_no_number[model.remat_block_from=45-layers2]":
+        "[model.remat=block-layers0] stays",
+    "tests/test_blocks.py::test_long_sequences_rematerialise_whole_blocks[False]": "[True] stays",
+    "tests/test_blocks.py::test_v4_layer_by_blocks_equals_the_dense_path":
+        "test_loss_and_gradients_do_not_depend_on_block_sizes",
+    # scanned stacks: the dsa pattern and mla/mha in-place decode stay
+    "tests/test_scan.py::test_nested_runs_train_as_unrolled": "scanned training: test_rundir",
+    "tests/test_scan.py::test_nested_runs_equal_unrolled_and_decode_their_forward":
+        "test_scanned_stack_equals_unrolled_and_decodes_its_forward[dsa]",
+    "tests/test_scan.py::test_scanned_stack_equals_unrolled_and_decodes_its_forward[v41_ratios]":
+        "[dsa] stays",
+    "tests/test_scan.py::test_scanned_decode_updates_the_stacked_caches_in_place[v4]":
+        "[mla], [mha] stay",
+    # longer training: tests/test_train.py::test_every_family_lowers_the_training_loss
+    "tests/test_v4.py::test_v4_training_lowers_both_losses": "every family's training, fast",
+    "tests/test_v41.py::test_v41_training_lowers_loss": "every family's training, fast",
+    "tests/test_train.py::test_seeds_trained_as_one_vmapped_model_equal_runs_trained_alone":
+        "SeedGroup: tests/test_accum.py::test_seed_group_accumulates",
+    # V4.1 ablations' decode: test_properties' fast cases and [no-ced] stay
+    "tests/test_v41.py::test_prefill_decode_equals_forward[no-sharing]": "[no-ced] stays",
+    "tests/test_v41.py::test_prefill_decode_equals_forward[no-pool]": "[no-ced] stays",
+    # accounting against XLA and interpreted kernels at the larger families
+    "tests/test_flops.py::test_training_flops_match_xla[16-v41]": "the other families stay",
+    "tests/test_flops.py::test_training_flops_match_xla[512-v41]": "the other families stay",
+    "tests/test_flops.py::test_training_flops_match_xla[512-v4]": "the other families stay",
+    "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[v41]":
+        "the other families stay",
+    "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[v4]":
+        "the other families stay",
+    "tests/test_indexer_impl.py::test_pallas_interpret_decode_equals_xla[v4-pallas_tpu]":
+        "[dsa-*] stay",
+    "tests/test_indexer_impl.py::test_pallas_interpret_decode_equals_xla[v41-pallas_tpu]":
+        "[dsa-*] stay",
+    "tests/test_indexer_impl.py::test_pallas_interpret_decode_equals_xla[v41-pallas_gpu]":
+        "[dsa-*] stay",
+    "tests/test_indexer_impl.py::test_pallas_interpret_decode_equals_xla[v4-pallas_gpu]":
+        "[dsa-*] stay",
+    # hand-picked decode cases the fast property cases cover (tests/test_properties.py draws
+    # ragged prompts, chunked prefill, replay and many completed spans for every family)
+    "tests/test_v4.py::test_prefill_decode_equals_forward": "test_properties, fast cases",
+    "tests/test_v4.py::test_v4_chunked_prefill_equals_forward":
+        "test_decode.py::test_chunked_prefill_equals_one_prefill, test_properties' chunks",
+    "tests/test_v4.py::test_quantized_cache_decode_equals_fake_quant_forward[v4-formats0]":
+        "[dsa], [mla], [mha] formats stay",
+    "tests/test_v41.py::test_prefill_decode_equals_forward[no-ced]": "test_properties[v41]",
+    "tests/test_v41.py::test_replay_covering_the_prompt_equals_exact_prefill":
+        "test_decode.py::test_prefill_in_chunks_equals_one_chunk (replay) stays",
+    "tests/test_v41.py::test_replay_report_script_runs":
+        "a report script; its error line: test_scripts.py::test_user_errors_are_one_line",
+    "tests/test_recall.py::test_recall_through_the_cache_equals_the_forward_in_float64":
+        "test_model_predictions_align_with_the_forward stays",
+    # memory analyses of remat and blocks; test_remat_changes_no_number[block] stays
+    "tests/test_blocks.py::test_training_step_memory_grows_linearly_with_the_sequence":
+        "a memory analysis",
+    "tests/test_blocks.py::test_long_sequences_rematerialise_whole_blocks": "a memory analysis",
+    "tests/test_blocks.py::test_remat_frees_each_unrolled_blocks_internals": "a memory analysis",
+    "tests/test_blocks.py::test_remat_recomputes_the_ffn_a_block_of_tokens_at_a_time":
+        "a memory analysis",
+    "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[1]":
+        "[4], [7], [64] stay",
+    "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[v4-indexer-2]":
+        "the MHA cases stay",
+    "tests/test_accum.py::test_accumulation_holds_a_micro_batchs_temporaries":
+        "a memory analysis",
+    "tests/test_accum.py::test_resume_with_another_grad_accum_continues_exactly":
+        "resume: tests/test_train.py::test_resume_equals_never_stopping",
+    "tests/test_flops.py::test_length_dependent_flops_match_xla[v41]": "the other families stay",
+    "tests/test_flops.py::test_length_dependent_flops_match_xla[v4]": "the other families stay",
+    "tests/test_flops.py::test_training_flops_match_xla[16-v4]": "the other families stay",
+    "tests/test_indexer_impl.py::test_pallas_interpret_decode_equals_xla[dsa-pallas_tpu]":
+        "[dsa-pallas_gpu] stays",
+    "re:tests/test_kernels.py::test_paged_scores_kernel_matches_reference\\[\\w+-3-":
+        "the T=1 cases stay",
+    "tests/test_precision.py::test_precision_parity_bench_trains_both_dtypes_on_the_same_"
+    "batches": "a benchmark",
+    "tests/test_rundir.py::test_scanned_run_saved_before_nested_runs_loads_and_resumes":
+        "test_runs_restore_across_scanned_and_unrolled_layouts stays",
+    "tests/test_rundir.py::test_run_saved_before_the_layer_plan_loads_and_resumes":
+        "an older layout; today's resume stays",
+    "tests/test_rundir.py::test_failed_async_commit_names_step_cause_and_last_checkpoint_and_a_"
+    "rerun_resumes": "test_failed_save_call_is_a_write_error_and_bugs_keep_theirs stays",
+    "tests/test_scripts.py::test_lower_reports_each_program_with_its_cache":
+        "a report script (tests/test_lower.py stays)",
+    "tests/test_device_check.py::test_device_check_records_a_spent_budget_and_a_broken_section":
+        "a device report",
+    # sweeps and device reports (make test-all)
+    "tests/test_scripts.py::test_recall_curve_trains_a_sweep_row": "a sweep",
+    "tests/test_ablate.py::test_toy_sweep_runs_resumes_and_reports": "a sweep",
+    "tests/test_ablate.py::test_mqar_sweep_evaluates_past_its_training_length": "a sweep",
+    "tests/test_device_check.py::test_device_check_reports_every_section":
+        "a device report; its error handling stays",
+    # run-directory compatibility with older layouts; today's resume stays
+    "tests/test_rundir.py::test_scanned_run_saved_with_first_copies_unrolled_loads_and_resumes":
+        "test_runs_restore_across_scanned_and_unrolled_layouts stays",
+}
+
+
+_PATTERNS = {k: re.compile(k[3:]) for k in FULL if k.startswith("re:")}
+
+
+def _in_full(nodeid: str) -> str | None:
+    """The FULL entry naming this node (the whole test, this case, or "re:" a pattern of
+    cases), if any."""
+    if nodeid in FULL:
+        return nodeid
+    base = nodeid.split("[", 1)[0]
+    if base in FULL:
+        return base
+    return next((k for k, r in _PATTERNS.items() if r.match(nodeid)), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    used = set()
+    for item in items:
+        key = _in_full(item.nodeid)
+        if key is not None:
+            item.add_marker(pytest.mark.full)
+            used.add(key)
+    # A renamed test must not slip into the fast tier unnoticed: when the whole suite is
+    # collected, every entry names something.
+    if all(os.path.isdir(a) for a in config.args):
+        files = {item.nodeid.split("::", 1)[0] for item in items}
+        stale = [k for k in FULL if k not in used and
+                 k.removeprefix("re:").split("::", 1)[0] in files]
+        if stale:
+            raise pytest.UsageError("tests/conftest.py FULL names no test: " + ", ".join(stale))
+
+
+# --- Compile count: every backend compilation jax reports in this process (xdist workers
+# send theirs to the controller), summed and printed at the end with the tests that compiled
+# most. Programs compiled inside subprocesses (scripts, the sharding checks) are not counted.
+
+from dsattn.bench.compiles import COMPILE_EVENT  # noqa: E402
+
+_compiles = {"n": 0, "secs": 0.0}
+_per_test: dict = {}
+_current = [None]
+
+
+def _on_compile(event, duration, **kwargs):
+    if event == COMPILE_EVENT:
+        _compiles["n"] += 1
+        _compiles["secs"] += duration
+        if _current[0] is not None:
+            n, s = _per_test.get(_current[0], (0, 0.0))
+            _per_test[_current[0]] = (n + 1, s + duration)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item.nodeid
+    yield
+    _current[0] = None
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # an xdist worker: hand the counts to the controller
+        out["dsattn_compiles"] = dict(_compiles)
+        out["dsattn_per_test"] = {k: list(v) for k, v in _per_test.items()}
+
+
+def pytest_testnodedown(node, error):
+    out = getattr(node, "workeroutput", {})
+    _compiles["n"] += out.get("dsattn_compiles", {}).get("n", 0)
+    _compiles["secs"] += out.get("dsattn_compiles", {}).get("secs", 0.0)
+    for k, (n, s) in out.get("dsattn_per_test", {}).items():
+        _per_test[k] = (n, s)
+
+
+def pytest_terminal_summary(terminalreporter):
+    tr = terminalreporter
+    tr.write_sep("=", f"jax compilations (in-process): {_compiles['n']} programs, "
+                      f"{_compiles['secs']:.0f} s compiling")
+    top = sorted(_per_test.items(), key=lambda kv: -kv[1][1])[:15]
+    for k, (n, s) in top:
+        tr.write_line(f"{s:7.1f}s {n:4d} compiles  {k}")

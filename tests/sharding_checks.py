@@ -7,6 +7,10 @@ parameters (born split: the sharded init program) and caches are split.
         python tests/sharding_checks.py RUN_DIR
 
 Prints one JSON object: {check name: value}; the pytest side asserts on them.
+
+With --small (and 2 host devices) it runs the fast tier's cheaper version: every family's
+forward on a 2-way tensor mesh, prefill + decode on a 2-way batch mesh (V4's paged cache)
+and a 2-way tensor mesh (MLA), one train step on a 2-way fsdp mesh, each against one device.
 """
 
 import concurrent.futures
@@ -38,6 +42,8 @@ PRESETS = ("mla", "v4", "v41")
 # per engine, so all nine pairs took most of this file's time): MLA's heads over tensor, V4's
 # paged cache over rows (paged_split), V4.1 on the mixed mesh.
 DECODE_MESHES = {"mla": (1, 1, 8), "v4": (8, 1, 1), "v41": (2, 2, 2)}
+SMALL_PRESETS = ("mha", "gqa", "mla", "dsa", "v4", "v41")  # --small: every family, 2 devices
+SMALL_DECODE_MESHES = {"v4": (2, 1, 1), "mla": (1, 1, 2)}
 TRAIN_PRESET = "mla"  # the train step and checkpoint checks (the fastest to compile)
 # Small enough to compile fast; 8 rows divide every mesh's data x fsdp. Scanned layers: MLA's
 # 4 layers hold their parameters stacked (a leading axis the rules leave unsplit).
@@ -74,9 +80,9 @@ def forward(graphdef, params, tokens, mesh=None):
         return np.asarray(_forward(graphdef, params, tokens))
 
 
-def forward_checks(out: dict, tokens, meshes: dict):
+def forward_checks(out: dict, tokens, meshes: dict, presets=PRESETS):
     """Sharded forward logits vs one device, for every preset and mesh."""
-    for name in PRESETS:
+    for name in presets:
         cfg = preset(name, *SMALL)
         graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
         params = nnx.to_pure_dict(state)
@@ -87,13 +93,13 @@ def forward_checks(out: dict, tokens, meshes: dict):
     out["time/forward"] = time.perf_counter() - T0
 
 
-def decode_checks(out: dict, tokens):
+def decode_checks(out: dict, tokens, decode_meshes=DECODE_MESHES):
     """Sharded prefill + decode steps vs one device for every preset on its mesh
     (DECODE_MESHES), the decode program compiled once per engine, and how a paged cache is
     split on (8, 1, 1)."""
     tokens = np.asarray(tokens)
     lengths = np.array([5, 17, 9, 12, 3, 20, 8, 11])
-    for name in PRESETS:
+    for name in decode_meshes:
         model = Transformer(preset(name, *SMALL), rngs=nnx.Rngs(0))
 
         def run(mesh=None):
@@ -108,7 +114,7 @@ def decode_checks(out: dict, tokens):
             return np.stack(steps), cache, compiled
 
         want, _, _ = run()
-        shape = DECODE_MESHES[name]
+        shape = decode_meshes[name]
         got, cache, compiled = run(sharding.make_mesh(preset(name, *mesh_args(shape))))
         out[f"decode/{name}/{shape}"] = float(np.max(np.abs(got - want)))
         out[f"decode/{name}/{shape}/compiled"] = compiled
@@ -243,8 +249,39 @@ def train_checks(out: dict, run_root: str, tokens):
                                   forward(single.graphdef, want, tokens))
 
 
-def main(run_root: str):
+def small_checks(out: dict, run_root: str, tokens):
+    """--small: the fast tier's 2-device checks (see the module's docstring)."""
+    meshes = {(1, 1, 2): sharding.make_mesh(preset("mla", *mesh_args((1, 1, 2))))}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        parts = [pool.submit(forward_checks, out, tokens, meshes, SMALL_PRESETS),
+                 pool.submit(small_train_and_decode, out, run_root, tokens)]
+    for part in parts:
+        part.result()
+
+
+def small_train_and_decode(out: dict, run_root: str, tokens):
+    base = preset(TRAIN_PRESET, *SMALL)
+    single = Trainer(base, os.path.join(run_root, "single"), quiet=True)
+    batch = {k: np.asarray(v) for k, v in single.val_batches[0].items()}
+    single.train_step(batch, 0)
+    shape = (1, 2, 1)
+    tr = Trainer(preset(TRAIN_PRESET, *SMALL, *mesh_args(shape)),
+                 os.path.join(run_root, f"mesh{shape}"), quiet=True)
+    out[f"train/{shape}/sharded"] = tr.mesh is not None
+    tr.train_step(batch, 0)
+    out[f"train/{shape}"] = max_diff(tr.params, host(single.params))
+    out["time/train"] = time.perf_counter() - T0
+    decode_checks(out, tokens, SMALL_DECODE_MESHES)
+
+
+def main(run_root: str, small: bool = False):
     out = {"devices": jax.device_count(), "x64": bool(jax.config.jax_enable_x64)}
+    if small:
+        tokens = jnp.asarray(np.random.RandomState(0).randint(0, 256, (8, 32)))
+        small_checks(out, run_root, tokens)
+        out["time/total"] = time.perf_counter() - T0
+        print(json.dumps(out))
+        return
     meshes = {shape: sharding.make_mesh(preset("mla", *mesh_args(shape)))
               for shape in MESHES}
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 256, (8, 32)))
@@ -261,4 +298,4 @@ def main(run_root: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], small="--small" in sys.argv[2:])

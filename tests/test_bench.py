@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsattn import generate
@@ -37,6 +38,7 @@ def test_synthetic_context_matches_real_prefill_structure():
     assert checked >= 10  # pos, ring slots of 4 layers, the paged bookkeeping of 2 layers
 
 
+@pytest.mark.full  # a benchmark run: the full tier
 def test_bench_script_smoke(tmp_path):
     """scripts/bench.py as a user runs it, from another directory (the presets are found
     beside the script): bench.json holds every measure, and the plots are drawn."""
@@ -69,6 +71,7 @@ def test_bench_script_smoke(tmp_path):
         assert os.path.getsize(out / png) > 1000
 
 
+@pytest.mark.full  # a benchmark run: the full tier
 def test_long_context_memory_only(tmp_path):
     """scripts/bench.py --long-context --max-step-s 0 (temporaries only, nothing timed):
     one record per length with the compiled step's temporaries, growing with T, and the
@@ -103,10 +106,10 @@ def test_per_device_cache_bytes_on_meshes():
     assert both["cache_bytes_per_device"] > both["stored_bytes_per_device"]
 
 
+@pytest.mark.full  # a benchmark run: the full tier
 def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
     """bench --seeds: each named row of a sweep trained as N seeds vmapped and one after
     another, with each seed's tokens/s from its run's records; an unknown row is named."""
-    import pytest
     import yaml
 
     from dsattn.bench import seeds
@@ -124,6 +127,7 @@ def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
         seeds.measure(path, ["c"], seeds=2, steps=2)
 
 
+@pytest.mark.full  # a benchmark run: the full tier
 def test_generate_benchmark_times_both_token_loops():
     cfg = measures.bench_config("mha", 1, config_dir=TINY_CONFIGS)
     t = measures.time_generate(Transformer(cfg, rngs=nnx.Rngs(0)), 2, new_tokens=4, prompt=3,

@@ -8,11 +8,13 @@
    after t.
 
 Hypothesis draws the ablation (from each preset's knobs), the prompt lengths, the chunk size,
-the number of decode steps and the tokens. `make test` runs a quick, derandomized search whose
-configs come from a small menu per preset, so compiled programs are shared across examples.
-The broad search draws every knob and random seeds:
+the number of decode steps and the tokens. Searches are derandomized, their configs from a
+small menu per preset, so compiled programs are shared across examples: `make test` (the fast
+tier) runs two or three examples per preset on its first menu entry; the full tier (`full`
+marker, `make test-all`) the quick search over every menu entry. The broad search (the full
+tier's tests) draws every knob and random seeds:
 
-    DSATTN_FUZZ_EXAMPLES=500 .venv/bin/python -m pytest -q -n 2 tests/test_properties.py
+    DSATTN_FUZZ_EXAMPLES=500 .venv/bin/python -m pytest -q -n 2 -m full tests/test_properties.py
 
 Run it before closing any change to attention, caches or generate.
 """
@@ -89,48 +91,68 @@ def built(name: str, overrides: tuple[str, ...]):
     return model, generate.engine(model)
 
 
-def ablation(name: str, draw) -> tuple[str, ...]:
-    if BROAD:
+def ablation(name: str, draw, tier: str) -> tuple[str, ...]:
+    """tier: "fast" (the first menu entry), "quick" (the menu) or "broad" (every knob)."""
+    if tier == "broad":
         chosen = {k: draw(st.sampled_from(v)) for k, v in KNOBS[name].items()}
     else:
-        chosen = draw(st.sampled_from(QUICK[name]))
+        chosen = draw(st.sampled_from(QUICK[name][:1] if tier == "fast" else QUICK[name]))
     return tuple(f"{k}={str(v).lower()}" for k, v in sorted(chosen.items()))
 
 
 @st.composite
-def prompt_case(draw, replayable: bool):
+def prompt_case(draw, replayable: bool, broad: bool):
     """One batch: prompt lengths, decode steps, prefill chunk, replay R (or None), seed."""
     lengths = draw(st.lists(st.integers(1, MAX_PROMPT), min_size=ROWS, max_size=ROWS))
     steps = draw(st.integers(1, min(MAX_STEPS, MAX_LEN - max(lengths))))
     # Chunks of 16 and 32 share the bucket widths 16 and 32 (fewer compiles); 1024 (the
     # default) runs each prompt whole, in its own bucket.
-    chunk = draw(st.sampled_from([16, 32, 64, 1024] if BROAD else [16, 32]))
+    chunk = draw(st.sampled_from([16, 32, 64, 1024] if broad else [16, 32]))
     replay = None
     if replayable and draw(st.booleans()):  # R >= every prompt: must equal exact prefill
-        replay = draw(st.sampled_from([MAX_LEN, max(lengths)])) if BROAD else MAX_LEN
+        replay = draw(st.sampled_from([MAX_LEN, max(lengths)])) if broad else MAX_LEN
     return lengths, steps, chunk, replay, draw(st.integers(0, 2**16))
 
 
 @st.composite
-def decode_case(draw, name):
+def decode_case(draw, name, tier):
     """A config and a few batches for it (the broad search amortizes its compiles)."""
-    overrides = ablation(name, draw)
+    overrides = ablation(name, draw, tier)
     ced = dict(o.split("=") for o in overrides).get("attention.ced_split",
                                                      "5" if name == "v41" else "0")
-    cases = st.lists(prompt_case(ced != "0"), min_size=1, max_size=3 if BROAD else 1)
+    broad = tier == "broad"
+    cases = st.lists(prompt_case(ced != "0", broad), min_size=1, max_size=3 if broad else 1)
     return overrides, draw(cases)
 
 
-def search(examples_quick: int):
-    return settings(max_examples=BROAD or examples_quick, derandomize=not BROAD,
+def tier_of(full: bool) -> str:
+    """The fast tier's tests stay quick whatever DSATTN_FUZZ_EXAMPLES says."""
+    return ("broad" if BROAD else "quick") if full else "fast"
+
+
+def search(tier: str, examples: int):
+    broad = tier == "broad"
+    return settings(max_examples=BROAD if broad else examples, derandomize=not broad,
                     deadline=None, database=None, print_blob=True,
                     suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_prefill_and_decode_equal_forward(name):
-    @search(examples_quick=3)
-    @given(decode_case(name))
+    """The fast tier: two drawn examples on the first menu entry."""
+    decode_search(name, tier_of(full=False), examples=2)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", PRESETS)
+def test_prefill_and_decode_equal_forward_search(name):
+    """The full tier: the quick search over every menu entry (or the broad one)."""
+    decode_search(name, tier_of(full=True), examples=3)
+
+
+def decode_search(name: str, tier: str, examples: int):
+    @search(tier, examples)
+    @given(decode_case(name, tier))
     def check(case):
         overrides, batches = case
         model, bound = built(name, overrides)
@@ -155,16 +177,27 @@ def test_prefill_and_decode_equal_forward(name):
 
 
 @st.composite
-def causal_case(draw, name):
-    overrides = ablation(name, draw)
+def causal_case(draw, name, tier):
+    overrides = ablation(name, draw, tier)
     t = draw(st.integers(0, MAX_LEN - 2))
     return overrides, t, draw(st.integers(0, 2**16))
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_forward_is_causal(name):
-    @search(examples_quick=4)
-    @given(causal_case(name))
+    """The fast tier: three drawn examples on the first menu entry."""
+    causal_search(name, tier_of(full=False), examples=3)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", PRESETS)
+def test_forward_is_causal_search(name):
+    causal_search(name, tier_of(full=True), examples=4)
+
+
+def causal_search(name: str, tier: str, examples: int):
+    @search(tier, examples)
+    @given(causal_case(name, tier))
     def check(case):
         overrides, t, seed = case
         model, _ = built(name, overrides)

@@ -1,10 +1,11 @@
 """Multi-device layout (dsattn.sharding): the rules and their fallbacks here, on the one
-device the suite sees; sharded programs (training, prefill and decode) in one subprocess
-with 8 CPU host devices (tests/sharding_checks.py), whose JSON report the tests below read.
+device the suite sees; sharded programs (training, prefill and decode) in a subprocess with
+CPU host devices (tests/sharding_checks.py), whose JSON report the tests below read.
 
-The subprocess compiles a forward, a prefill and a decode program for each preset and mesh
-and a train step for each mesh: it runs once per test session, whichever worker asks
-first.
+The fast tier (`make test`) runs the 2-device subprocess (--small: every family's forward,
+two decode engines, a train step); the full tier (`full` marker) the 8-device one, which
+compiles a forward, a prefill and a decode program for each preset and mesh and a train
+step for each mesh. Each runs once per test session, whichever worker asks first.
 """
 
 import fcntl
@@ -28,49 +29,85 @@ from tests.helpers import ROOT, preset
 MESHES = ("(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def _shared_report(tmp_path_factory, name: str, devices: int, *args) -> dict:
     """The subprocess's JSON report, made once per test session: pytest-xdist workers share
     the session's base temp directory, and a lock lets the first worker run it while the
     others wait for its file."""
     shared = tmp_path_factory.getbasetemp()  # this session's; under xdist, this worker's
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the session's, shared by its workers
-    with open(shared / "sharding.lock", "w") as lock:
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared / "sharding.json"
+        done = shared / f"{name}.json"
         if not done.exists():
-            done.write_text(json.dumps(_run_checks(shared / "sharding-runs")))
+            done.write_text(json.dumps(_run_checks(shared / f"{name}-runs", devices, *args)))
     out = json.loads(done.read_text())
-    assert out["devices"] == 8 and out["x64"]
+    assert out["devices"] == devices and out["x64"]
     return out
 
 
-def _run_checks(run_root) -> dict:
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The 8-device report (the full tier)."""
+    return _shared_report(tmp_path_factory, "sharding", 8)
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+    """The 2-device report (the fast tier): sharding_checks.py --small."""
+    return _shared_report(tmp_path_factory, "sharding-small", 2, "--small")
+
+
+def _run_checks(run_root, devices: int, *args) -> dict:
     env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_checks.py"),
-                          str(run_root)], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=900)
+                          str(run_root), *args], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# -- 8 devices, in the subprocess --------------------------------------------------------------
+# -- 2 devices, in the subprocess (the fast tier) ----------------------------------------------
+@pytest.mark.parametrize("name", ["mha", "gqa", "mla", "dsa", "v4", "v41"])
+def test_small_mesh_forward_matches_one_device(small_report, name):
+    """Every family's forward with its heads split over a 2-way tensor mesh."""
+    assert small_report[f"forward/{name}/(1, 1, 2)"] <= 1e-12
+
+
+def test_small_mesh_train_step_matches_one_device(small_report):
+    assert small_report["train/(1, 2, 1)/sharded"]  # the Trainer built the sharded step
+    assert small_report["train/(1, 2, 1)"] <= 1e-11  # parameters after one AdamW step
+
+
+@pytest.mark.parametrize("name, mesh", [("mla", "(1, 1, 2)"), ("v4", "(2, 1, 1)")])
+def test_small_mesh_prefill_and_decode_match_one_device(small_report, name, mesh):
+    """Prefill and two decode steps on the mesh give one device's logits, the decode program
+    compiled once; V4's paged cache is one pool group per device."""
+    assert small_report[f"decode/{name}/{mesh}"] <= 1e-12
+    assert small_report[f"decode/{name}/{mesh}/compiled"] == 1
+    if name == "v4":
+        assert small_report["paged/groups"] == 2 and small_report["paged/rows_with_pages"] == 8
+
+
+# -- 8 devices, in the subprocess (the full tier) ----------------------------------------------
+@pytest.mark.full
 @pytest.mark.parametrize("name", ["mla", "v4", "v41"])
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_forward_matches_one_device(report, name, mesh):
     assert report[f"forward/{name}/{mesh}"] <= 1e-12
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_train_step_matches_one_device(report, mesh):
     assert report[f"train/{mesh}/sharded"]  # the Trainer built the sharded step
     assert report[f"train/{mesh}"] <= 1e-11  # parameters after one AdamW step, float64
 
 
+@pytest.mark.full
 def test_accumulated_train_step_on_a_mesh(report):
     """train.grad_accum=2 on (2, 2, 2): the same parameters as one device's whole-batch step,
     and micro-batch i = rows i::2 keeps each micro-batch's rows where the batch's are (one
@@ -79,6 +116,7 @@ def test_accumulated_train_step_on_a_mesh(report):
     assert report["train/accum/int_collectives"] == report["train/int_collectives"]
 
 
+@pytest.mark.full
 def test_parameters_and_moments_are_split(report):
     """On (data, fsdp, tensor) = (2, 2, 2): FFN and head weights over fsdp and tensor, the
     embedding's vocabulary rows over both; Adam's moments split like their
@@ -97,6 +135,7 @@ def test_parameters_and_moments_are_split(report):
         assert v["mu_shards"] == v["shards"] and v["n_shards"] == 8
 
 
+@pytest.mark.full
 def test_parameters_are_born_split(report):
     """The Trainer's init on a mesh is one program whose outputs are already split: each
     device makes its shards (under half of the parameters' bytes on (2, 2, 2), where most
@@ -106,6 +145,7 @@ def test_parameters_are_born_split(report):
     assert report["init/temp_bytes"] < report["init/largest_bytes"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name, mesh", [("mla", "(1, 1, 8)"), ("v4", "(8, 1, 1)"),
                                         ("v41", "(2, 2, 2)")])
 def test_sharded_prefill_and_decode_match_one_device(report, name, mesh):
@@ -115,6 +155,7 @@ def test_sharded_prefill_and_decode_match_one_device(report, name, mesh):
     assert report[f"decode/{name}/{mesh}/compiled"] == 1
 
 
+@pytest.mark.full
 def test_paged_cache_rows_and_pages_split_together(report):
     """On (8, 1, 1) a paged cache is one pool group per device: each holds one row's page
     table and its own block of pages, and the ids in its table are local to that block."""
@@ -153,6 +194,7 @@ def test_cache_layout_rules():
     assert sharding.cache_specs(model.units, state, mesh).pos == P("data")
 
 
+@pytest.mark.full
 def test_checkpoint_restores_onto_another_mesh(report):
     """Saved on (4, 1, 2), restored on (1, 1, 8): the same parameters, laid out for the new
     mesh, and the same logits."""
