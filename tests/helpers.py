@@ -8,7 +8,7 @@ jax_enable_x64: ``tiny_model`` builds float64 models).
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +50,21 @@ def forward(model, tokens):
     return _forward_jit(graphdef, state, jnp.asarray(tokens))
 
 
-def loss_and_grads(model, batch: dict, step=None):
-    """(train.loss_fn's metrics, gradients w.r.t. the model's state) of one batch, jitted."""
-    graphdef, params = nnx.split(model)
-
+@partial(jax.jit, static_argnums=0)
+def _loss_and_grads_jit(graphdef, params, batch, step):
     def f(p):
         return train.loss_fn(nnx.merge(graphdef, p), batch, step)
 
-    (_, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+
+def loss_and_grads(model, batch: dict, step=None):
+    """(train.loss_fn's metrics, gradients w.r.t. the model's state) of one batch, jitted
+    once per model structure, batch shape and kind of step (None or an integer: a traced
+    one, so two steps share the program), across tests."""
+    graphdef, params = nnx.split(model)
+    step = None if step is None else jnp.asarray(step, jnp.int32)
+    (_, metrics), grads = _loss_and_grads_jit(graphdef, params, batch, step)
     return metrics, grads
 
 
