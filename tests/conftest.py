@@ -127,6 +127,30 @@ FULL = {
         "a report script (tests/test_lower.py stays)",
     "tests/test_device_check.py::test_device_check_records_a_spent_budget_and_a_broken_section":
         "a device report",
+    "tests/test_decode.py::test_prefill_in_chunks_equals_one_chunk":
+        "test_decode.py::test_chunked_prefill_equals_one_prefill, test_properties' chunks",
+    "tests/test_v41.py::test_pool_covering_all_blocks_equals_flat_indexer":
+        "test_newest_block_is_always_in_the_pool, test_pool_selection_breaks_ties_... stay",
+    "tests/test_v41.py::test_replay_evaluation_count":
+        "tests/test_engine.py::test_replay_prefill_evaluation_count stays",
+    "tests/test_rundir.py::test_second_writer_refused_dead_writers_lock_taken_over_metrics_cut_"
+    "to_checkpoint": "test_sigint_saves_the_step_reached_and_a_rerun_resumes_there stays",
+    "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[mha-weights-4]":
+        "[mha-weights-2] stays",
+    "tests/test_bench.py::test_synthetic_context_matches_real_prefill_structure": "a benchmark's",
+    "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[dsa]":
+        "[mha], [mla] stay",
+    "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[gqa]":
+        "[mha], [mla] stay",
+    "tests/test_precision.py::test_run_saved_before_param_dtype_with_bf16_restores_as_saved":
+        "an older run's layout",
+    "re:tests/test_precision.py::test_accelerator_training_matmuls_run_in_bfloat16\\[v41-":
+        "the other families stay",
+    "tests/test_precision.py::test_bf16_compute_halves_what_the_backward_pass_keeps[v41]":
+        "the other families stay",
+    "re:tests/test_kernels.py::test_paged_scores_kernel_matches_reference\\[gpu-1-":
+        "the tpu-1 cases stay (the same reference)",
+    "re:tests/test_flops.py::test_training_flops_match_xla\\[512-": "the 16-token cases stay",
     # sweeps and device reports (make test-all)
     "tests/test_scripts.py::test_recall_curve_trains_a_sweep_row": "a sweep",
     "tests/test_ablate.py::test_toy_sweep_runs_resumes_and_reports": "a sweep",
