@@ -13,11 +13,19 @@ from __future__ import annotations
 RENAMED = {("indexer", "topk"): "topk_method"}
 
 
+# The attention keys of rope scaling as a run saved before them trained: no scaling (the
+# config's defaults; tests/test_yarn.py holds them equal).
+PLAIN_ROPE = {"rope_scaling": "none", "yarn_factor": 1.0, "yarn_original_max_position": 4096,
+              "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 0.0,
+              "yarn_mscale_all_dim": 0.0}
+
+
 def upgrade_saved(raw: dict) -> dict:
     """A config dict a run directory saved (`Config.to_yaml`) in today's keys. A dump lists
     every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
     was then `attention.head_dim`; one without `model.param_dtype` stored its parameters
-    (and optimizer moments) in `model.dtype`."""
+    (and optimizer moments) in `model.dtype`; one without `attention.rope_scaling` trained
+    with the plain rope."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     att = raw.get("attention")
     if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
@@ -25,6 +33,8 @@ def upgrade_saved(raw: dict) -> dict:
     model = raw.get("model")
     if isinstance(model, dict) and "scan_layers" not in model:
         model["scan_layers"] = False  # trained before scanning existed: its layout unrolled
+    if isinstance(att, dict) and "rope_scaling" not in att:
+        att.update(PLAIN_ROPE)  # trained before rope scaling existed: the plain rope
     if isinstance(model, dict) and "param_dtype" not in model:
         model["param_dtype"] = model.get("dtype", "float32")  # its checkpoint's dtype
     for (section, old), new in RENAMED.items():

@@ -201,3 +201,16 @@ def test_equals_hf_deepseek_v4_compress_rotary():
 def test_bad_yarn_settings_are_refused(override, message):
     with pytest.raises(config.ConfigError, match=message):
         preset("mla", *TINY_YARN, override)
+
+
+def test_runs_saved_before_rope_scaling_read_as_the_plain_rope():
+    """A saved config without the rope-scaling keys (every run before them) upgrades to the
+    config's defaults, which are the plain rope: it loads and resumes as it was trained."""
+    from dsattn import migrations
+    from dsattn.config import AttentionConfig
+
+    defaults = AttentionConfig()
+    assert migrations.PLAIN_ROPE == {k: getattr(defaults, k) for k in migrations.PLAIN_ROPE}
+    assert defaults.rope_scaling == "none"
+    saved = {"attention": {"layers": ["mha"], "rope_theta": 10000.0}}
+    assert migrations.upgrade_saved(saved)["attention"]["yarn_factor"] == 1.0
