@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsattn.nn.precision import at_least_f32
 
-def softmax_dtype(dtype):
-    """Scores and softmax run in at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+
+# Scores and softmax run in at least float32: the precision module's float32 island.
+softmax_dtype = at_least_f32
 
 
 def causal_mask(q_pos, k_pos):

@@ -74,8 +74,9 @@ def run_tests(paths, root: Path, timeout_s: float) -> dict:
     try:
         out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout_s)
         text, rc = out.stdout + out.stderr, out.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+    except subprocess.TimeoutExpired as e:  # its output may come back as bytes
+        out = e.stdout or ""
+        text, rc = out.decode() if isinstance(out, bytes) else out, None
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)
     return {"paths": list(paths), "returncode": rc, "seconds": time.perf_counter() - t0,
