@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsattn import flops
+from dsattn.bench import device
 from tests.helpers import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +59,34 @@ def test_device_check_records_a_spent_budget_and_a_broken_section(tmp_path):
     assert run.returncode == 1  # an error makes the check fail, after writing its report
     (error,) = report["errors"]
     assert error["section"] == "train nosuch" and "nosuch" in error["error"]
+
+
+def test_tests_that_time_out_say_how_far_they_got(tmp_path):
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n"
+        "def test_a(): pass\n"
+        "def test_b(): assert False\n"
+        "def test_c(): time.sleep(60)\n")
+    got = device.run_tests(["test_slow.py"], tmp_path, timeout_s=15)
+    assert got["timed_out"] and got["returncode"] is None
+    assert got["finished"] == 2 and got["failed_so_far"] == 1
+    assert got.get("passed", 0) == 0  # no totals printed: none are claimed
+    done = device.run_tests(["test_slow.py::test_a"], tmp_path, timeout_s=60)
+    assert not done["timed_out"] and done["passed"] == 1 and done["finished"] == 1
+
+
+def test_a_section_needs_as_long_as_the_last_of_its_kind_took(monkeypatch, tmp_path):
+    """A lease must not end inside a section: with 100 s budget and training sections taking
+    40 s each, the third (which would end at 120 s) is skipped, not started."""
+    clock = [0.0]
+
+    def train(settings, name, peak):
+        clock[0] += 40.0
+        return {"preset": name}
+
+    monkeypatch.setattr(device, "train_preset", train)
+    settings = device.Settings(configs=str(tmp_path), train_presets=("a", "b", "c"),
+                               decode_presets=(), tests=(), budget_s=100.0)
+    report = device.check(settings, tmp_path, log=lambda line: None, clock=lambda: clock[0])
+    assert [r["preset"] for r in report["train"]] == ["a", "b"]
+    assert report["skipped"] == ["train c"]

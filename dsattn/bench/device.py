@@ -79,8 +79,13 @@ def run_tests(paths, root: Path, timeout_s: float) -> dict:
         text, rc = out.decode() if isinstance(out, bytes) else out, None
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)
-    return {"paths": list(paths), "returncode": rc, "seconds": time.perf_counter() - t0,
-            **counts, "failed_ids": failed, "tail": text[-3000:] if rc else text[-400:]}
+    # pytest -q prints one character per finished test (".", "F", "s", ...) before its totals:
+    # after a timeout they are all there is to say how far it got.
+    progress = "".join(re.findall(r"^([.FEsxX]+)\s*(?:\[\s*\d+%\])?$", text, flags=re.M))
+    return {"paths": list(paths), "returncode": rc, "timed_out": rc is None,
+            "seconds": time.perf_counter() - t0, "finished": len(progress),
+            "failed_so_far": progress.count("F") + progress.count("E"),
+            **counts, "failed_ids": failed, "tail": text[-3000:] if rc or rc is None else text[-400:]}
 
 
 def preset(settings: Settings, name: str, *extra: str):
@@ -146,49 +151,57 @@ def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]
     return rows
 
 
-def check(settings: Settings, root: Path, log=print, save=lambda report: None) -> dict:
+def check(settings: Settings, root: Path, log=print, save=lambda report: None,
+          clock=time.perf_counter) -> dict:
     """Every section in turn, each recorded as it finishes (and handed to `save`, so a run cut
     short leaves a report); errors are recorded, not raised, so one broken section leaves the
     others' numbers."""
-    t_start = time.perf_counter()
-    left = lambda: settings.budget_s - (time.perf_counter() - t_start)  # noqa: E731
+    t_start = clock()
+    left = lambda: settings.budget_s - (clock() - t_start)  # noqa: E731
     report = {"settings": dataclasses.asdict(settings), "environment": environment(),
               "tests": None, "train": [], "decode": [], "skipped": [], "errors": []}
     peak = report["environment"]["peak_tflops"]
+    took = {}  # seconds the last section of each kind ("train", "decode", ...) took
 
-    def attempt(what, fn):
-        if left() <= 0:
+    def attempt(what, fn, needs=0.0):
+        """Run section `what` if the budget holds `needs` seconds (what the last section of
+        its kind took: a section started with seconds left would run past the lease)."""
+        if left() <= max(needs, 0.0):
             report["skipped"].append(what)
             log(f"device check: {what} skipped (time budget spent)")
             return None
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             out = fn()
         except Exception as e:  # noqa: BLE001  (recorded: the report is the product)
             report["errors"].append({"section": what, "error": f"{type(e).__name__}: {e}"[:2000]})
             log(f"device check: {what} failed: {type(e).__name__}: {str(e)[:300]}")
             return None
-        log(f"device check: {what} done in {time.perf_counter() - t0:.1f} s")
+        took[what.split()[0]] = clock() - t0
+        log(f"device check: {what} done in {took[what.split()[0]]:.1f} s")
         return out
 
     def record():
-        report["seconds"] = time.perf_counter() - t_start
+        report["seconds"] = clock() - t_start
         save(report)
 
-    if settings.tests:
+    if settings.tests:  # the whole budget when nothing else is asked for, else 40% of it
+        share = 0.4 if settings.train_presets or settings.decode_presets else 1.0
         report["tests"] = attempt("tests", lambda: run_tests(
-            settings.tests, root, timeout_s=max(left() * 0.4, 30)))
+            settings.tests, root, timeout_s=max(left() * share, 30)))
         record()
     if settings.decode_presets:
         bw = attempt("bandwidth", lambda: device_bandwidth(
             1 << 30 if jax.default_backend() != "cpu" else 1 << 26))
         report["bandwidth_bytes_per_s"] = bw
         for name in settings.decode_presets if bw else ():
-            rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw))
+            rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw),
+                           needs=took.get("decode", 0.0))
             report["decode"].extend(rows or [])
             record()
     for name in settings.train_presets:
-        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak))
+        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak),
+                      needs=took.get("train", 0.0))
         report["train"].extend([row] if row else [])
         record()
     record()
@@ -201,7 +214,10 @@ def summary(report: dict) -> str:
     lines = [f"device: {env['device_kind']} ({env['backend']}, jax {env['jax']}), "
              f"peak {env['peak_tflops'] or 'unknown'} TFLOP/s bf16"]
     t = report["tests"]
-    if t:
+    if t and t["timed_out"]:
+        lines.append(f"tests: timed out after {t['seconds']:.0f} s with {t['finished']} "
+                     f"finished ({t['failed_so_far']} failed so far)")
+    elif t:
         lines.append(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                      f"{t.get('skipped', 0)} skipped ({t['seconds']:.0f} s)"
                      + (f"; failed: {', '.join(t['failed_ids'])}" if t["failed_ids"] else ""))
