@@ -134,6 +134,9 @@ class IndexerConfig:
     interpret: bool = False
     topk_method: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may differ
     key_block: int = 4096  # keys scored per step of the running top-k (indexer.top_k)
+    # Rotate queries and keys by a Hadamard matrix wherever cache.key_format is FP8 or FP4
+    # (scores unchanged, quantization error spread over the channels); head_dim a power of 2.
+    hadamard: bool = True
 
 
 @dataclass(frozen=True)
@@ -524,12 +527,24 @@ def _check_indexer(cfg: Config) -> None:
                 f"indexer.rope_dim: must be even and in [0, head_dim={ix.head_dim}], "
                 f"got {ix.rope_dim}"
             )
+        if rotates_keys(cfg) and ix.head_dim & (ix.head_dim - 1):
+            raise ConfigError(
+                f"indexer.hadamard: the rotation before {cfg.cache.key_format} keys needs a "
+                f"power-of-two indexer.head_dim, got {ix.head_dim} (or set "
+                f"indexer.hadamard=false)")
     _choice(ix.key_norm, KEY_NORMS, "indexer.key_norm")
     _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
     _choice(ix.topk_method, INDEXER_TOPK, "indexer.topk_method")
     if ix.dense_warmup_steps < 0:
         raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
     _at_least_zero(ix.loss_weight, "indexer.loss_weight")
+
+
+def rotates_keys(cfg: Config) -> bool:
+    """Whether the indexer rotates its queries and keys (indexer.hadamard) before they meet:
+    only where the keys are stored in FP8 or FP4, whose per-block scales an outlier channel
+    would otherwise set."""
+    return cfg.indexer.hadamard and bool(formats.spec(cfg.cache.key_format).elem)
 
 
 def _check_cache(cfg: Config) -> None:

@@ -25,7 +25,7 @@ def upgrade_saved(raw: dict) -> dict:
     every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
     was then `attention.head_dim`; one without `model.param_dtype` stored its parameters
     (and optimizer moments) in `model.dtype`; one without `attention.rope_scaling` trained
-    with the plain rope."""
+    with the plain rope; one without `indexer.hadamard` never rotated its indexer keys."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     att = raw.get("attention")
     if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
@@ -37,6 +37,9 @@ def upgrade_saved(raw: dict) -> dict:
         att.update(PLAIN_ROPE)  # trained before rope scaling existed: the plain rope
     if isinstance(model, dict) and "param_dtype" not in model:
         model["param_dtype"] = model.get("dtype", "float32")  # its checkpoint's dtype
+    ix = raw.get("indexer")
+    if isinstance(ix, dict) and "hadamard" not in ix:
+        ix["hadamard"] = False  # trained before the rotation existed: unrotated keys
     for (section, old), new in RENAMED.items():
         sec = raw.get(section)
         if isinstance(sec, dict) and old in sec:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention import reads
+from dsattn.attention import indexer, reads
 from dsattn.attention.common import masked_softmax
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.mla import MLA
@@ -38,6 +38,7 @@ class DSA(MLA):
         self.wk = dense(m.d_model, ix.head_dim, rngs, dt, m.init_std)
         norm = LayerNorm if ix.key_norm == "layernorm" else RMSNorm
         self.k_norm = norm(ix.head_dim, m.norm_eps, dtype=dt)
+        self.rotate_keys = indexer.rotates_keys(cfg)
 
     def _as_stored(self, name, v):
         f = self.fields[name]
@@ -47,7 +48,7 @@ class DSA(MLA):
         k = self.k_norm(self.wk(jax.lax.stop_gradient(x)))
         if self.key_rope:
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
-        return k
+        return indexer.rotated(k, self.rotate_keys)
 
     def _attend(self, q_nope, q_pe, positions, valid, read, target=None):
         """Absorbed MLA over the items `read` names, by query blocks (reads.attend_blocks):

@@ -16,6 +16,8 @@ from flax import nnx
 
 from dsattn.attention import blocks
 from dsattn.attention.common import shared_scores, softmax_dtype, wide_product
+from dsattn.config import rotates_keys
+from dsattn.nn import hadamard
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
 from dsattn.nn.rope import apply_rope_last
@@ -29,6 +31,7 @@ class IndexerQuery(nnx.Module):
         self.wq = dense(q_in, self.n * self.d, rngs, dt, m.init_std)
         self.w_heads = dense(m.d_model, self.n, rngs, dt, m.init_std)
         self.scale = (self.n ** -0.5) * (self.d ** -0.5)
+        self.rotate = rotates_keys(cfg)
 
     def __call__(self, q_latent, x, positions, theta):
         """Queries [B, T, n, d] and head weights [B, T, n] (inputs detached)."""
@@ -37,7 +40,13 @@ class IndexerQuery(nnx.Module):
         q = self.wq(q_latent).reshape(b, t, self.n, self.d)
         if self.rope_dim:
             q = apply_rope_last(q, positions, theta, self.rope_dim)
-        return q, self.w_heads(x) * self.scale
+        return rotated(q, self.rotate), self.w_heads(x) * self.scale
+
+
+def rotated(v, enabled: bool):
+    """Queries or keys after RoPE, rotated by the Hadamard matrix when the layer's keys are
+    stored low-bit (config.rotates_keys): both sides turn alike, so scores stay q·k."""
+    return hadamard.rotate(v) if enabled else v
 
 
 # The scores decide top-k, and decode's kernels take IEEE float32 dots: a GPU's default would

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
 
+from dsattn.attention import indexer
 from dsattn.attention.compressor import Compressor
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.reads import Entries
@@ -88,6 +89,7 @@ class OwnEntries(nnx.Module):
         self.spec, self.theta, self.dtype = spec, theta, dt.dtype
         self.rope_dim, self.key_rope = a.rope_dim, cfg.indexer.rope_dim
         self.page_size, self.fake_quant = c.page_size, c.fake_quant
+        self.rotate_keys = indexer.rotates_keys(cfg)
         self.fields = paged_fields(cfg, spec)
         self.compressor = Compressor(m.d_model, a.entry_dim, spec.ratio,
                                      overlap=spec.kind.overlap, pos_bias=spec.kind.pos_bias,
@@ -96,11 +98,15 @@ class OwnEntries(nnx.Module):
         self.source_norm = nnx.data(RMSNorm(m.d_model, m.norm_eps, dtype=dt)
                                     if spec.from_encoder else None)
 
-    def _stored(self, field: str, comp, pre, index, rope: int):
-        """Entries after RoPE, rounded as the cache stores them when fake-quantizing."""
+    def _keys(self, comp, pre, index):
+        """Search keys after RoPE (and the rotation before low-bit storage)."""
+        return indexer.rotated(comp.rope_entries(pre, index, self.key_rope, self.theta),
+                               self.rotate_keys)
+
+    def _stored(self, field: str, v):
+        """`v` rounded as the cache stores it when fake-quantizing."""
         f = self.fields[field]
-        return formats.as_stored(f.fmt, comp.rope_entries(pre, index, rope, self.theta),
-                                 f.rope, self.fake_quant)
+        return formats.as_stored(f.fmt, v, f.rope, self.fake_quant)
 
     def __call__(self, x, ctx: StackContext, n: int):
         """Training: (the items: entries [B, n, c] and search keys [B, n, d] if the kind has
@@ -108,10 +114,11 @@ class OwnEntries(nnx.Module):
         src = self.source_norm(ctx.encoder_out) if self.source_norm is not None else x
         index = jnp.broadcast_to(jnp.arange(n), (x.shape[0], n))
         pre = self.compressor.block(src)
-        items = {"entry": self._stored("entry", self.compressor, pre, index, self.rope_dim)}
+        items = {"entry": self._stored("entry", self.compressor.rope_entries(
+            pre, index, self.rope_dim, self.theta))}
         if self.keys is not None:
             comp, kpre = self.keys.block(self.compressor, src, pre)
-            items["key"] = self._stored("key", comp, kpre, index, self.key_rope)
+            items["key"] = self._stored("key", self._keys(comp, kpre, index))
         store = Entries(items)
         if self.spec.kind.shares:
             ctx = ctx.replace(entries=store)
@@ -138,7 +145,7 @@ class OwnEntries(nnx.Module):
         if self.keys is not None:
             key_state, comp, kpre, kidx = self.keys.step(key_state, self.compressor, x,
                                                          positions, valid, pre, index)
-            new["key"] = comp.rope_entries(kpre, kidx, self.key_rope, self.theta)
+            new["key"] = self._keys(comp, kpre, kidx)
         g = paged.append(cache.pages, new, jnp.sum(done, -1, dtype=jnp.int32))
         if self.spec.kind.shares:
             ctx = ctx.replace(global_cache=g)
