@@ -12,8 +12,8 @@ source but .u16/.bin token files and token directories) a token is a byte, so bi
 is bits per byte.
 
 `outputs` is the one evaluation forward: the training loop's validation (dsattn.train),
-`mean_loss` here and recall's predictions (dsattn.recall) all read it, `forward` compiles it
-once per network config.
+`mean_loss` here and recall's predictions (dsattn.recall_eval) all read it, `forward`
+compiles it once per network config.
 """
 
 from __future__ import annotations

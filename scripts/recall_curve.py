@@ -5,7 +5,7 @@
         [--per-distance 64] [--probe-len N] [--run-dir DIR] [--out curve.json]
 
 Trains in chunks of --every steps (dsattn.train.Trainer, the same step as scripts/train.py);
-after each chunk scores recall.accuracy on fixed probes (one pair at each exact distance,
+after each chunk scores recall_eval.accuracy on fixed probes (one pair at each exact distance,
 teacher-forced argmax on the answer tokens, contexts from the source's validation stream)
 and prints a line: step, train seconds so far (steps only, no compile or probes), wall
 seconds since start, the step's loss, mean accuracy and accuracy per distance. The curve
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import ablate, cli, config, data, recall, runlog  # noqa: E402
+from dsattn import ablate, cli, config, data, recall, recall_eval, runlog  # noqa: E402
 from dsattn.train import Trainer  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def main(argv=None):
                 t0 = time.time()
                 tr.run(min(tr.step + args.every, until))
                 train_s += time.time() - t0
-                acc = recall.accuracy(tr.model(), probes)
+                acc = recall_eval.accuracy(tr.model(), probes)
                 last = (runlog.records(tr.run_dir) or [{}])[-1]
                 point = {"step": tr.step, "train_s": round(train_s, 1),
                          "wall_s": round(time.time() - t_start, 1), "loss": last.get("ce"),

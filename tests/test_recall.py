@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import data, recall
+from dsattn import data, recall, recall_eval
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError
 from dsattn.model import Transformer
@@ -94,10 +94,10 @@ def test_model_predictions_align_with_the_forward():
                  "attention.head_dim=8", "model.dtype=float32")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     p = recall.probes([8, 24], 3, 32, SPEC)
-    pred = recall.model_predictions(model, p.tokens, batch=4)
+    pred = recall_eval.model_predictions(model, p.tokens, batch=4)
     logits = np.asarray(model(p.tokens[:2]))
     assert np.array_equal(pred[:2, 1:], logits.argmax(-1)[:, :-1])
-    acc = recall.accuracy(model, p)
+    acc = recall_eval.accuracy(model, p)
     assert set(acc) == {8, 24} and all(0 <= a <= 1 for a in acc.values())
 
 
@@ -210,8 +210,8 @@ def test_recall_through_the_cache_equals_the_forward_in_float64():
         spec = recall.parse_source(source)
         p = recall.probes(dists, 2, 64, spec)
         model = tiny_model("v4", "model.n_layers=2", "attention.layers=swa, csa")
-        via_cache = recall.cache_predictions(model, p, batch=4)
-        forward = recall.model_predictions(model, p.tokens)
+        via_cache = recall_eval.cache_predictions(model, p, batch=4)
+        forward = recall_eval.model_predictions(model, p.tokens)
         rows = np.arange(len(p.tokens))[:, None]
         np.testing.assert_array_equal(via_cache[rows, p.answer_pos], forward[rows, p.answer_pos])
-        assert recall.cache_accuracy(model, p) == recall.accuracy(model, p)
+        assert recall_eval.cache_accuracy(model, p) == recall_eval.accuracy(model, p)

@@ -119,14 +119,15 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
     loss there, KV figures (own and full size) and decode step time."""
     import jax
 
+    from dsattn import recall_eval
     from dsattn.bench import measures as bench
 
     start = time.perf_counter()
     trainer, cfg = run.trainer, run.trainer.cfg
     model = trainer.model()
-    acc = recall.accuracy(model, probes[1])
+    acc = recall_eval.accuracy(model, probes[1])
     beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
-                       "recall": {str(d): a for d, a in recall.accuracy(model, p).items()}}
+                       "recall": {str(d): a for d, a in recall_eval.accuracy(model, p).items()}}
               for m, p in probes.items() if m > 1}
     decode_ms = None
     if sweep.decode_context:
@@ -142,7 +143,7 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
         "recall": {str(d): a for d, a in acc.items()},
         **row_facts(sweep, row, cfg),  # reach, chance, loss unit, KV figures
         # through the decode cache, as deployed (its formats), when the sweep asks for it
-        **({"recall_cache": {str(d): a for d, a in recall.cache_accuracy(
+        **({"recall_cache": {str(d): a for d, a in recall_eval.cache_accuracy(
             model, probes[1]).items()}} if sweep.through_cache else {}),
         "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
         # this session's share of the run: its training (a group's time over its seeds)
