@@ -3,14 +3,10 @@ there, a per-layer ratio list translated by layer role."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dsattn import config as config_lib
 from dsattn import plan
+from dsattn.ablate.sweep import Row, Sweep
 from dsattn.errors import ConfigError
-
-if TYPE_CHECKING:  # spec imports this module
-    from dsattn.ablate.spec import Row, Sweep
 
 
 # Sections whose overrides keep a meaning at full size (model shape, training and data don't).

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from dsattn import config as config_lib
 from dsattn import recall
 from dsattn.ablate.full_size import full_size_config
+from dsattn.ablate.sweep import Row, Sweep  # noqa: F401  (re-exported: the sweep's types)
 from dsattn.errors import ConfigError
 
 
@@ -30,34 +30,6 @@ def unknown_key(key: str, valid, what: str) -> ConfigError:
     close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return ConfigError(f"{key}: unknown {what}{hint}; valid: {', '.join(valid)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    name: str
-    overrides: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sweep:
-    name: str
-    base: str
-    full_size: str | None
-    overrides: tuple[str, ...]
-    rows: tuple[Row, ...]
-    seeds: tuple[int, ...]
-    distances: tuple[int, ...]
-    per_distance: int
-    probe_len: int
-    decode_context: int
-    out: Path
-    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
-    vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
-    through_cache: bool = False  # also score recall through the decode cache (its formats)
-
-    def config(self, row: Row, seed: int):
-        return config_lib.load(self.base, [*self.overrides, *row.overrides,
-                                           f"train.seed={seed}"])
 
 
 def _override_list(value, where: str) -> tuple[str, ...]:

@@ -1,33 +1,20 @@
 """What layers hand down the stack, as typed immutable values: each layer takes a context
 and returns the next one (`ctx.replace(...)`), never an attention result.
 
-Both carry selections as per-query entry ids (`Selection`); training (`StackContext`) holds
-the latest full layer's entries as computed over the whole sequence (`reads.Entries`), cached
-execution (`CachedContext`) its paged cache. Under CED the decoder starts from a context
-holding only the encoder's output.
+Both carry selections as per-query entry ids (`reads.Selection`, also importable from
+here); training (`StackContext`) holds the latest full layer's entries as computed over the
+whole sequence (`reads.Entries`), cached execution (`CachedContext`) its paged cache. Under
+CED the decoder starts from a context holding only the encoder's output. The types come from
+dsattn.attention.reads, which imports nothing of this module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 from flax import struct
 
+from dsattn.attention.reads import Entries, Selection  # noqa: F401  (Selection re-exported)
 from dsattn.cache.paged import PagedCache
-
-if TYPE_CHECKING:  # reads imports this module
-    from dsattn.attention.reads import Entries
-
-
-@struct.dataclass
-class Selection:
-    """Per-query entry ids [B, T, k] and which of them are real picks; `dense` (a scalar
-    bool, training only) true while the dense warm-up reads every complete entry instead."""
-
-    idx: jax.Array
-    ok: jax.Array
-    dense: jax.Array | None = None
 
 
 @struct.dataclass

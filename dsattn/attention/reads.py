@@ -23,7 +23,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsattn.attention import blocks, indexer
-from dsattn.attention.context import Selection
+
+
+@struct.dataclass
+class Selection:
+    """Per-query entry ids [B, T, k] and which of them are real picks; `dense` (a scalar
+    bool, training only) true while the dense warm-up reads every complete entry instead."""
+
+    idx: jax.Array
+    ok: jax.Array
+    dense: jax.Array | None = None
 
 
 @struct.dataclass

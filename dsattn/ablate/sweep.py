@@ -1,0 +1,39 @@
+"""A sweep as its runs see it: its rows (named override lists) and settings, each row's config
+for a seed. dsattn.ablate.spec reads and validates a sweep file into a `Sweep`;
+dsattn.ablate.full_size carries a row to the full-size preset."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from dsattn import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str
+    base: str
+    full_size: str | None
+    overrides: tuple[str, ...]
+    rows: tuple[Row, ...]
+    seeds: tuple[int, ...]
+    distances: tuple[int, ...]
+    per_distance: int
+    probe_len: int
+    decode_context: int
+    out: Path
+    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
+    vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
+    through_cache: bool = False  # also score recall through the decode cache (its formats)
+
+    def config(self, row: Row, seed: int):
+        return config_lib.load(self.base, [*self.overrides, *row.overrides,
+                                           f"train.seed={seed}"])
+
