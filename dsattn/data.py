@@ -5,7 +5,9 @@ read as bytes (vocab 256), so every experiment works offline and identically on 
 machine with the same Python. User data is a text file or glob (bytes again), a raw
 little-endian uint16 token file (``.u16``/``.bin``), or a token directory of
 scripts/prepare_data.py (dsattn.tokendir: memory-mapped shards, their tokenizer and split).
-`parse_source` reads a ``data.source`` string into a typed `Source` once. Validation is split
+`parse_source` reads a ``data.source`` string into a typed `Source` once (the one reader of
+that string; a recall source's parameters included): the rest of the package passes the
+`Source` or its `RecallSpec` on. Validation is split
 by file (a stable CRC32 of each file's relative path), or by a contiguous tail when there is
 only one file, so no text ever appears on both sides; a token directory was split by
 document when it was prepared. ``batch_at`` draws the batch of step ``i`` from
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dsattn import recall, tokendir
+from dsattn import recall as recall_lib
+from dsattn import tokendir
 from dsattn import config as config_lib
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError, InputError
@@ -203,25 +206,52 @@ def _stdlib_corpus(val_fraction: float, max_bytes: int):
 # ----------------------------------------------------------------------------- sources
 @dataclass(frozen=True)
 class Source:
-    """A data.source string, parsed once (`parse_source`)."""
-    kind: str  # "stdlib" | "recall" | "text" (files read as bytes) | "tokens" (.u16/.bin) | "dir"
+    """A data.source string, parsed once (`parse_source`): callers pass this on, never the
+    string to parse again."""
+    # "stdlib" | "recall" | "text" (files read as bytes) | "tokens" (.u16/.bin) | "dir", or
+    # "path": a file, glob or directory not looked up (parse_source(..., resolve=False))
+    kind: str
     text: str  # the data.source string as given
-    paths: tuple[Path, ...] = ()  # text/tokens: the matched files; dir: the token directory
+    # text/tokens: the matched files; dir: the token directory; path: the path, ~ expanded
+    paths: tuple[Path, ...] = ()
+    recall: recall_lib.RecallSpec | None = None  # kind "recall": its checked parameters
 
     @property
     def byte_level(self) -> bool:
         """Whether a token is a UTF-8 byte (every kind but token files and directories)."""
+        if self.kind == "path":
+            raise ValueError(f"data.source {self.text!r} was parsed without resolve")
         return self.kind not in ("tokens", "dir")
 
+    @property
+    def token_dir(self) -> Path | None:
+        """The token directory the source names, or None (one stat; no glob or metadata)."""
+        if self.kind == "dir" or (self.kind == "path" and self.paths[0].is_dir()):
+            return self.paths[0]
+        return None
 
-def parse_source(source: str) -> Source:
-    """What `source` names: 'stdlib', a recall spec, a token directory (one with meta.json),
-    a text file or glob, or .u16/.bin token files. Files must exist."""
-    if recall.is_recall(source):
-        return Source("recall", source)
+
+def parse_source(source: str, *, resolve: bool = True) -> Source:
+    """What `source` names: 'stdlib', a recall spec (``recall[:key=value,...]``, checked:
+    ConfigError), a token directory (one with meta.json), a text file or glob, or .u16/.bin
+    token files. The one reader of a data.source string. Files must exist, unless
+    `resolve=False`: then a path is not looked up (kind "path"; no file system access), for
+    callers that only ask whether a source is stdlib or recall, or its recall parameters."""
+    head, _, tail = source.partition(":")
+    if head == "recall":
+        params = {}
+        for item in filter(None, (s.strip() for s in tail.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ConfigError(f"data.source: recall parameter {item!r} is not key=value "
+                                  f"(e.g. recall:min_dist=8,max_dist=64)")
+            params[key.strip()] = value.strip()
+        return Source("recall", source, recall=recall_lib.make_spec(params))
     if source == "stdlib":
         return Source("stdlib", source)
     path = os.path.expanduser(source)
+    if not resolve:
+        return Source("path", source, (Path(path),))
     if os.path.isdir(path):
         if not tokendir.is_token_dir(path):
             tokendir.read_meta(path)  # raises: a directory without meta.json
@@ -236,12 +266,6 @@ def parse_source(source: str) -> Source:
         raise InputError(f"data.source {source!r} mixes token files "
                          f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
     return Source("tokens" if all(is_tok) else "text", source, paths)
-
-
-def _token_dir(source: str) -> Path | None:
-    """The token directory `source` names, or None (cheap: no glob, no metadata read)."""
-    path = os.path.expanduser(source)
-    return Path(path) if source != "stdlib" and os.path.isdir(path) else None
 
 
 def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
@@ -315,43 +339,40 @@ def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
 
 
 @functools.lru_cache(maxsize=4)
-def recall_streams(source: str, val_fraction: float, max_bytes: int):
-    """(train, val, description) of a recall source (dsattn.recall); cached: every Trainer
-    of a sweep and every probe set reads the same streams."""
-    spec = recall.parse_source(source)
+def recall_streams(spec: recall_lib.RecallSpec, val_fraction: float, max_bytes: int):
+    """(train, val, description) of a recall source (dsattn.recall; its `Source.recall`);
+    cached: every Trainer of a sweep and every probe set reads the same streams."""
     if spec.format == "mqar":
-        train, val, _, _, desc = recall.mqar_streams(source, val_fraction)
+        train, val, _, _, desc = recall_lib.mqar_streams(spec, val_fraction)
         return train, val, desc
     filler = None
     if spec.corpus:  # facts planted in a corpus's bytes
         corpus = load_corpus(DataConfig(source=spec.corpus, val_fraction=val_fraction,
                                         max_bytes=max_bytes), 256)
         filler = corpus.train, corpus.val
-    return recall.byte_streams(spec, val_fraction, filler)
+    return recall_lib.byte_streams(spec, val_fraction, filler)
 
 
-def _recall_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
+def _recall_corpus(spec: recall_lib.RecallSpec, data_cfg: DataConfig, vocab_size: int) -> Corpus:
     if vocab_size < 256:
         raise ConfigError(f"data.source: recall is byte-level and needs model.vocab_size >= "
                           f"256, got {vocab_size}")
-    spec = recall.parse_source(data_cfg.source)
     if spec.format == "mqar":
-        train, val, w_train, w_val, desc = recall.mqar_streams(data_cfg.source,
-                                                               data_cfg.val_fraction)
-        warm = recall.mqar_warm_stream(data_cfg.source) if spec.warm_steps else None
+        train, val, w_train, w_val, desc = recall_lib.mqar_streams(spec, data_cfg.val_fraction)
+        warm = recall_lib.mqar_warm_stream(spec) if spec.warm_steps else None
         return Corpus(train, val, vocab_size, desc, train_weights=w_train, val_weights=w_val,
                       block=spec.block, warm_steps=spec.warm_steps, warm=warm)
-    train, val, desc = recall_streams(data_cfg.source, data_cfg.val_fraction,
-                                      data_cfg.max_bytes)
+    train, val, desc = recall_streams(spec, data_cfg.val_fraction, data_cfg.max_bytes)
     return Corpus(train, val, vocab_size, desc)
 
 
 # ----------------------------------------------------------------------------- public API
-def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
-    """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
-    src = parse_source(data_cfg.source)
+def load_corpus(data_cfg: DataConfig, vocab_size: int, source: Source | None = None) -> Corpus:
+    """Train/val tokens for `data_cfg.source` (or `source`, that string already parsed),
+    checked against the model's vocab."""
+    src = source or parse_source(data_cfg.source)
     if src.kind == "recall":  # synthetic long-range task (dsattn/recall.py)
-        return _recall_corpus(data_cfg, vocab_size)
+        return _recall_corpus(src.recall, data_cfg, vocab_size)
     if src.kind in ("tokens", "dir"):  # ids checked per file, or bounded by the metadata
         load = _load_token_dir if src.kind == "dir" else _load_token_files
         train, val, desc = load(src.paths[0] if src.kind == "dir" else list(src.paths),
@@ -374,7 +395,7 @@ def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
     """`cfg` with model.vocab_size set to a token directory's vocab when the config leaves it at
     the default (256, bytes); a smaller explicit vocab_size is refused (ConfigError), a larger
     one kept. Other sources: `cfg` unchanged. Call before a model is built."""
-    path = _token_dir(cfg.data.source)
+    path = parse_source(cfg.data.source, resolve=False).token_dir
     if path is None:
         return cfg
     meta = tokendir.read_meta(path)
@@ -388,7 +409,7 @@ def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
 
 def tokenizer_path(source: str) -> Path | None:
     """The tokenizer file of a token directory source; None for byte-level and token files."""
-    path = _token_dir(source)
+    path = parse_source(source, resolve=False).token_dir
     return None if path is None else path / tokendir.read_meta(path)["tokenizer"]
 
 

@@ -110,8 +110,9 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
     t = cfg.train
     n_batches = n_batches or t.eval_batches
     batch_size = batch_size or t.batch_size
-    corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
-    byte_level = is_byte_level(cfg.data.source)
+    source = data.parse_source(cfg.data.source)
+    corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size, source)
+    byte_level = source.byte_level
     check_lengths(corpus, seq_lens)
     bar = progress.Progress(len(seq_lens) * n_batches, desc=f"eval {cfg.name}", unit="batch",
                             every=progress_every, quiet=quiet)

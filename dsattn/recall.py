@@ -9,7 +9,9 @@ independent of everything else in the stream, so a model that cannot see back ``
 positions scores chance (0.1 per answer byte) and a lookup scores 1.0.
 
 ``data.source`` selects it, parameters in the string (no config fields):
-``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``.
+``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``; dsattn.data's
+`parse_source` reads the string (the one reader of data.source) and `make_spec` here checks
+the parameters into a `RecallSpec`, which every other function takes.
 Scoring uses probes: a validation window with one pair at an exact distance whose query ends
 the window; accuracy is over the probe's answer bytes (teacher-forced argmax).
 
@@ -81,16 +83,14 @@ class RecallSpec:
     warm_dist: int = 8
 
 
-def parse_source(source: str) -> RecallSpec:
-    """``recall[:key=value,...]`` -> RecallSpec; errors name data.source and the key."""
-    head, _, tail = source.partition(":")
-    if head != "recall":
-        raise ConfigError(f"data.source: {source!r} is not a recall source")
+def make_spec(params: dict[str, str]) -> RecallSpec:
+    """The RecallSpec of a recall source's parameters ({key: value text}, as
+    dsattn.data.parse_source reads them from ``recall:key=value,...``), checked; errors name
+    data.source and the key."""
     fields = {f.name: f.type for f in dataclasses.fields(RecallSpec)}
     kwargs = {}
-    for item in filter(None, (s.strip() for s in tail.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key not in fields:
+    for key, value in params.items():
+        if key not in fields:
             raise ConfigError(f"data.source: recall parameter {key!r} unknown; "
                               f"valid: {', '.join(fields)}")
         try:
@@ -109,6 +109,15 @@ def parse_source(source: str) -> RecallSpec:
         raise ConfigError("data.source: recall density must be in (0, 1) and length >= "
                           f"4 * max_dist, got {spec.density}, {spec.length}")
     return spec
+
+
+def source_text(spec: RecallSpec) -> str:
+    """The data.source string of `spec` (its parameters that differ from the defaults):
+    dsattn.data.parse_source reads it back to an equal spec."""
+    default = RecallSpec()
+    params = [f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(RecallSpec)
+              if getattr(spec, f.name) != getattr(default, f.name)]
+    return "recall" + (":" + ",".join(params) if params else "")
 
 
 def _check_mqar(spec: RecallSpec) -> RecallSpec:
@@ -150,14 +159,10 @@ def distance_bounds(spec: RecallSpec, probe_len: int) -> tuple[int, int, int]:
     return PAIR_LEN, probe_len - PAIR_LEN, 1
 
 
-def chance(source: str) -> float:
-    """A guesser's accuracy on a source's answers: 1 / values (format=mqar), else CHANCE."""
-    spec = parse_source(source) if is_recall(source) else RecallSpec()
-    return 1 / spec.values if spec.format == "mqar" else CHANCE
-
-
-def is_recall(source: str) -> bool:
-    return source == "recall" or source.startswith("recall:")
+def chance(spec: RecallSpec | None) -> float:
+    """A guesser's accuracy on a recall source's answers: 1 / values (format=mqar), else
+    CHANCE (also for None: no recall source, probes of the default byte task)."""
+    return 1 / spec.values if spec is not None and spec.format == "mqar" else CHANCE
 
 
 # ----------------------------------------------------------------------------- generation
@@ -265,9 +270,8 @@ def mqar_stream(n_blocks: int, spec: RecallSpec, rng) -> tuple:
 
 
 @functools.lru_cache(maxsize=4)
-def mqar_streams(source: str, val_fraction: float):
+def mqar_streams(spec: RecallSpec, val_fraction: float):
     """(train, val, train weights, val weights, description) of a format=mqar source."""
-    spec = parse_source(source)
     n_train = spec.length // spec.block
     n_val = max(round(n_train * val_fraction), 4)
     train, w_train = mqar_stream(n_train, spec, np.random.default_rng([spec.seed, 0]))
@@ -283,10 +287,9 @@ def mqar_streams(source: str, val_fraction: float):
 
 
 @functools.lru_cache(maxsize=4)
-def mqar_warm_stream(source: str) -> tuple:
+def mqar_warm_stream(spec: RecallSpec) -> tuple:
     """(tokens, weights) the first warm_steps training steps draw from: the source's blocks
     with distances in [min_dist, warm_dist] (a stream of its own seed)."""
-    spec = parse_source(source)
     near = dataclasses.replace(spec, max_dist=max(spec.min_dist, spec.warm_dist))
     tokens, weights = mqar_stream(spec.length // spec.block, near,
                                   np.random.default_rng([spec.seed, 2]))

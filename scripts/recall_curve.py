@@ -63,13 +63,13 @@ def main(argv=None):
             raise SystemExit(f"--row: {args.row!r} is not a row of {args.config}; rows: "
                              f"{', '.join(rows)}")
         cfg = sweep.config(rows[args.row], args.seed)
-    if not recall.is_recall(cfg.data.source):
+    spec = data.parse_source(cfg.data.source, resolve=False).recall
+    if spec is None:
         raise SystemExit(f"data.source {cfg.data.source!r} is not a recall source")
-    spec = recall.parse_source(cfg.data.source)
     probe_len = args.probe_len or cfg.train.seq_len
     dists = args.distances or [d for d in (4, 8, 16, 32, 48, 64, 80, 96, 112, 126)
                                if d <= probe_len - 2]
-    background = data.recall_streams(cfg.data.source, cfg.data.val_fraction, cfg.data.max_bytes)[1]
+    background = data.recall_streams(spec, cfg.data.val_fraction, cfg.data.max_bytes)[1]
     probes = recall.probes(dists, args.per_distance, probe_len, spec, background)
     stages, end = [], 0
     for item in filter(None, args.stages.split(",")):
@@ -112,11 +112,9 @@ def _stage_cfg(cfg, spec, n: int):
     """cfg with blocks of n tokens (format=mqar) and a batch of as many tokens."""
     if spec.format != "mqar" or n > spec.block or n % 2:
         raise SystemExit(f"--stages: {n} needs format=mqar and an even length <= block")
-    head, _, tail = cfg.data.source.partition(":")
-    kv = dict(item.split("=", 1) for item in filter(None, tail.split(",")))
-    kv.update(block=n, max_dist=min(spec.max_dist, n - 2), min_dist=min(spec.min_dist, n - 2),
-              pairs=max(1, min(spec.pairs, n // 8)))
-    source = head + ":" + ",".join(f"{k}={v}" for k, v in kv.items())
+    source = recall.source_text(dataclasses.replace(
+        spec, block=n, max_dist=min(spec.max_dist, n - 2), min_dist=min(spec.min_dist, n - 2),
+        pairs=max(1, min(spec.pairs, n // 8))))
     train = dataclasses.replace(cfg.train, seq_len=n,
                                 batch_size=cfg.train.batch_size * cfg.train.seq_len // n)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=source),

@@ -13,7 +13,7 @@ import numpy as np
 from dsattn import data, kvbytes, recall, runlog
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.reach import window_reach
-from dsattn.ablate.spec import Row, Sweep
+from dsattn.ablate.spec import Row, Sweep, recall_spec
 from dsattn.errors import DsattnError
 
 
@@ -45,8 +45,8 @@ def kv_figures(cfg) -> dict:
 def loss_unit(cfg) -> str:
     """What the held-out loss is averaged over: recall sources weigh only answers (unless
     other_weight > 0), byte vocabularies predict bytes."""
-    if recall.is_recall(cfg.data.source) and recall.parse_source(
-            cfg.data.source).other_weight == 0:
+    spec = recall_spec(cfg)
+    if spec is not None and spec.other_weight == 0:
         return "nats per answer token"
     return "nats per byte" if cfg.model.vocab_size == 256 else "nats per token"
 
@@ -55,7 +55,7 @@ def row_facts(sweep: Sweep, row: Row, cfg) -> dict:
     """What a run's numbers are read against, the same for every seed of a row: its window
     reach, recall's chance level, the loss's unit and KV figures (own config, full size)."""
     full, applied, skipped = full_size_config(sweep, row)
-    return {"reach": window_reach(cfg), "recall_chance": recall.chance(cfg.data.source),
+    return {"reach": window_reach(cfg), "recall_chance": recall.chance(recall_spec(cfg)),
             "loss_unit": loss_unit(cfg), "kv": kv_figures(cfg),
             "kv_full": kv_figures(full) if full is not None else None,
             "full_overrides_applied": applied, "full_overrides_skipped": skipped}
@@ -158,13 +158,12 @@ def probes_for(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     longer: byte recall places facts that many times farther back (distances past
     recall.MAX_DIST left out); multi-query recall (facts within a block) keeps the distances
     and puts earlier blocks before the probe, so it sits past the training length."""
-    spec, background = recall.RecallSpec(), None
-    if recall.is_recall(cfg.data.source):
-        spec = recall.parse_source(cfg.data.source)
-        background = data.recall_streams(cfg.data.source, cfg.data.val_fraction,
-                                         cfg.data.max_bytes)[1]
+    spec, background = recall_spec(cfg), None
+    if spec is not None:
+        background = data.recall_streams(spec, cfg.data.val_fraction, cfg.data.max_bytes)[1]
         if len(background) < times * sweep.probe_len:
             background = None
+    spec = spec or recall.RecallSpec()
     if spec.format == "mqar":
         return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
                              background, prefix=(times - 1) * sweep.probe_len)

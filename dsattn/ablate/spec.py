@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from dsattn import recall
+from dsattn import data, recall
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.sweep import Row, Sweep  # noqa: F401  (re-exported: the sweep's types)
 from dsattn.errors import ConfigError
@@ -151,6 +151,13 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     return _validate(sweep)
 
 
+def recall_spec(cfg) -> recall.RecallSpec | None:
+    """The recall parameters of a row's data.source (None: not a recall source), read by
+    data.parse_source without looking up files (a sweep on a file source is checked when
+    its runs load it)."""
+    return data.parse_source(cfg.data.source, resolve=False).recall
+
+
 def _validate(sweep: Sweep) -> Sweep:
     """Build every row's config (and its full-size twin) now, so no error waits for a run."""
     for key in ("base", "full_size"):
@@ -164,16 +171,14 @@ def _validate(sweep: Sweep) -> Sweep:
     for row in sweep.rows:
         try:
             cfg = sweep.config(row, sweep.seeds[0])
-            if recall.is_recall(cfg.data.source):
-                recall.parse_source(cfg.data.source)
+            recall_spec(cfg)  # a recall source's parameters checked now
             full_size_config(sweep, row)
         except ConfigError as e:
             raise ConfigError(f"row {row.name!r}: {e}") from None
         cfgs.append(cfg)
     _warn_long_warmups(sweep, cfgs[0])
     probe_len = sweep.probe_len or cfgs[0].train.seq_len
-    source = cfgs[0].data.source
-    spec = recall.parse_source(source) if recall.is_recall(source) else recall.RecallSpec()
+    spec = recall_spec(cfgs[0]) or recall.RecallSpec()
     least, most, every = recall.distance_bounds(spec, probe_len)
     dists = sweep.distances or tuple(d for d in (8, 16, 32, 64, 96, 128, 192, 256)
                                      if d <= most)
@@ -213,7 +218,7 @@ def _warn_long_warmups(sweep: Sweep, cfg) -> None:
     import warnings
 
     steps = cfg.train.steps
-    spec = recall.parse_source(cfg.data.source) if recall.is_recall(cfg.data.source) else None
+    spec = recall_spec(cfg)
     for key, n in (("train.warmup_steps", cfg.train.warmup_steps),
                    ("indexer.dense_warmup_steps", cfg.indexer.dense_warmup_steps),
                    ("data.source recall warm_steps", spec.warm_steps if spec else 0)):

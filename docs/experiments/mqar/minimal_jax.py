@@ -2,12 +2,12 @@
 import sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import jax, jax.numpy as jnp, numpy as np, optax
-from dsattn import recall
+from dsattn import data, recall
 src = sys.argv[1]
 pos_kind = sys.argv[2] if len(sys.argv) > 2 else "learned"
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
-spec = recall.parse_source(src)
-train, val, wtr, wva, desc = recall.mqar_streams(src, 0.05)
+spec = data.parse_source(src).recall
+train, val, wtr, wva, desc = recall.mqar_streams(spec, 0.05)
 B, T, D, H, L = 64, spec.block, 64, 4, 2
 hd = D // H
 def batch(rng, toks, w):
