@@ -56,16 +56,35 @@ MIN_BUCKET = 16
 PREFILL_CHUNK = 1024  # longer prompts run in chunks: activations stay O(chunk · context)
 
 
+_GRAPHDEFS: dict[int, list] = {}  # hash -> the distinct graphdefs seen (`canonical`)
+
+
+def canonical(graphdef, graphdef_hash: int | None = None):
+    """The first graphdef seen that equals `graphdef` (this one if none): models of one
+    structure share one graphdef object. Comparing two GraphDefs walks both module graphs (as
+    slow as hashing), so equal structures are matched once here, when an Engine is made, and
+    every later comparison of their Graphs (jit's cache lookups, each call) is by identity.
+    Kept for the process's life, as jit keeps the programs compiled for them."""
+    seen = _GRAPHDEFS.setdefault(hash(graphdef) if graphdef_hash is None else graphdef_hash, [])
+    for g in seen:
+        if g is graphdef or g == graphdef:
+            return g
+    seen.append(graphdef)
+    return graphdef
+
+
 class Graph:
     """A model's graphdef as a static argument of the compiled programs. Hashing a GraphDef
     walks the whole module graph (ms for a tiny V4.1), too slow for every call, so the hash
     is taken once; graphs of models of one structure are equal, so their engines share the
-    compiled programs."""
+    compiled programs. The graphdef is `canonical`'s, so equal graphs hold the same object
+    and compare by identity; comparing never changes either operand."""
 
     __slots__ = ("graphdef", "_hash")
 
     def __init__(self, graphdef):
-        self.graphdef, self._hash = graphdef, hash(graphdef)
+        self._hash = hash(graphdef)
+        self.graphdef = canonical(graphdef, self._hash)
 
     def __hash__(self):
         return self._hash
@@ -75,12 +94,8 @@ class Graph:
             return True
         if not isinstance(other, Graph) or self._hash != other._hash:
             return False
-        if self.graphdef is other.graphdef:
-            return True
-        if self.graphdef == other.graphdef:  # as slow as hashing: share the graphdef, so
-            other.graphdef = self.graphdef  # jit's next lookup compares by identity
-            return True
-        return False
+        # canonical graphdefs: identity, unless one was assigned after construction
+        return self.graphdef is other.graphdef or self.graphdef == other.graphdef
 
 
 class Engine:

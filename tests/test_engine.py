@@ -137,3 +137,18 @@ def test_an_engine_keeps_its_weights_and_a_new_one_sees_updates():
     with compilations() as c:
         np.testing.assert_array_equal(last_logits(generate.Engine(model)), after)
     assert c.n == 0
+
+
+def test_comparing_graphs_changes_neither():
+    """Graph equality has no side effect: comparing two equal Graphs leaves both operands'
+    graphdef as they were. Graphs of one structure share one graphdef from the start
+    (generate.canonical), so jit's lookups still compare by identity."""
+    a, b = (nnx.graphdef(tiny_model(*MLA, seed=s)) for s in (0, 1))
+    assert a == b and a is not b
+    ga = generate.Graph(a)
+    gb = generate.Graph(b)
+    left, right = ga.graphdef, gb.graphdef
+    assert ga == gb and gb == ga and hash(ga) == hash(gb)
+    assert ga.graphdef is left and gb.graphdef is right
+    assert right is left  # one canonical graphdef: the next comparison is by identity
+    assert generate.Graph(nnx.graphdef(tiny_model("mha", "model.n_layers=1"))) != ga
