@@ -19,7 +19,6 @@ restores onto another mesh shape or onto one device.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import os
@@ -70,23 +69,17 @@ def relayout(tree, units_from, units_to):
 
 def layouts(cfg) -> list:
     """(to_saved, to_current) tree maps for the layouts a run of `cfg`'s model may have
-    been saved in besides `cfg`'s own: scanned or unrolled (`model.scan_layers`), scanned
-    without nested runs (migrations.without_runs) or with first copies unrolled
-    (migrations.first_copies_unrolled), and the unrolled layout saved before the layer plan
-    (migrations.MOVED_IN_ATTN)."""
-    def units(scan: bool):
-        return plan.units(dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
+    been saved in besides `cfg`'s own: one pair per entry of migrations.SAVED_LAYOUTS, in its
+    order (its blocks re-laid out between `cfg`'s units and the saved ones, then the entry's
+    own rewrite)."""
+    now = plan.units(cfg)
 
-    def between(saved):
-        return lambda t: relayout(t, now, saved), lambda t: relayout(t, saved, now)
+    def maps(layout: migrations.Layout):
+        saved = layout.units(cfg)
+        return (lambda t: layout.to_saved(relayout(t, now, saved)),
+                lambda t: relayout(layout.to_current(t), saved, now))
 
-    now, unrolled = plan.units(cfg), units(False)
-    flat = migrations.without_runs(units(True))
-    old_scanned = migrations.first_copies_unrolled(flat, plan.resolve(cfg))
-    return [between(units(not cfg.model.scan_layers)), between(flat), between(old_scanned),
-            (lambda t: migrations.legacy_layout(relayout(t, now, unrolled)),
-             lambda t: relayout(migrations.current_layout(t), unrolled, now))]
+    return [maps(layout) for layout in migrations.SAVED_LAYOUTS]
 
 
 class RunDirLock:

@@ -4,9 +4,16 @@ code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED
 parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
 `current_layout`, for params and optimizer moments alike), and scanned layouts that changed
 (`first_copies_unrolled`, `without_runs`). One place for every migration,
-so a new one is one entry here; dsattn.config and dsattn.checkpoint apply them."""
+so a new one is one entry here: a config key in `upgrade_saved`, a layout a checkpoint may
+have been saved in in `SAVED_LAYOUTS` (dsattn.checkpoint.layouts derives its restore maps
+from that list alone); dsattn.config and dsattn.checkpoint apply them."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from dsattn import plan
 
 
 # Keys renamed since run directories were first written: (section, old) -> new.
@@ -111,13 +118,11 @@ def first_copies_unrolled(units, specs) -> tuple:
     """The units (plan.Unit) a scanned run had when saved before scans carried a fixed
     context (through commit 49035c5): a group whose layers write the context (entries, a
     selection, a pool) ran its first copy unrolled, and the scan only the other copies."""
-    from dsattn.plan import Unit
-
     out = []
     for u in units:
         if u.scanned and any(specs[i].writes_context for i in range(u.start, u.start + u.period)):
-            out.extend(Unit(i) for i in range(u.start, u.start + u.period))
-            u = Unit(u.start + u.period, u.period, u.copies - 1)
+            out.extend(plan.Unit(i) for i in range(u.start, u.start + u.period))
+            u = plan.Unit(u.start + u.period, u.period, u.copies - 1)
         out.append(u)
     return tuple(out)
 
@@ -125,6 +130,40 @@ def first_copies_unrolled(units, specs) -> tuple:
 def without_runs(units) -> tuple:
     """The units (plan.Unit) a scanned run had when saved before runs of equal layers in a
     group were nested scans (through commit 46e758a): every layer its own slot."""
-    from dsattn.plan import Unit
+    return tuple(plan.Unit(u.start, u.period, u.copies) for u in units)
 
-    return tuple(Unit(u.start, u.period, u.copies) for u in units)
+
+def _unchanged(tree):
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A layout a run of a config's model may have been saved in besides the config's own:
+    the units (plan.Unit) its blocks were stored by, `units(cfg)`, and a rewrite of a tree
+    laid out by those units into the saved form (`to_saved`) with its inverse
+    (`to_current`). dsattn.checkpoint re-lays out scanned and unrolled blocks around them."""
+
+    what: str
+    units: Callable
+    to_saved: Callable = _unchanged
+    to_current: Callable = _unchanged
+
+
+def _units(cfg, scan: bool) -> tuple:
+    """plan.units of `cfg` with model.scan_layers=scan."""
+    return plan.units(dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
+
+
+# Every layout a checkpoint may hold besides its config's own, tried in this order on
+# restore (dsattn.checkpoint.layouts): a new layout migration is one entry here.
+SAVED_LAYOUTS = (
+    Layout("the other model.scan_layers (scanned or unrolled)",
+           lambda cfg: _units(cfg, not cfg.model.scan_layers)),
+    Layout("scanned without nested runs", lambda cfg: without_runs(_units(cfg, True))),
+    Layout("scanned with context-writing first copies unrolled",
+           lambda cfg: first_copies_unrolled(without_runs(_units(cfg, True)), plan.resolve(cfg))),
+    Layout("unrolled, saved before the layer plan (MOVED_IN_ATTN)",
+           lambda cfg: _units(cfg, False), legacy_layout, current_layout),
+)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, cli, errors, plan, train
+from dsattn import checkpoint, cli, errors, migrations, plan, train
 from dsattn.model import Transformer
 from tests.helpers import ROOT, forward, preset
 
@@ -288,6 +288,22 @@ def test_scanned_run_saved_before_nested_runs_loads_and_resumes(tmp_path):
     assert plan.units(cfg) == (plan.Unit(0, 4, 3, (1, 3)),)
     reuse = _adam_moments(items)["blocks"][0]["layers"][1]["ffn"]
     assert all(x.shape[0] == 9 and float(np.abs(x).max()) > 0 for x in jax.tree.leaves(reuse))
+
+
+def test_a_saved_layout_is_one_entry_of_migrations(monkeypatch):
+    """checkpoint.layouts derives its restore maps from migrations.SAVED_LAYOUTS alone: an
+    entry added there is a layout restore tries, its rewrite and inverse around the blocks'
+    re-layout."""
+    cfg = preset("mha", "model.n_layers=2")
+    assert len(checkpoint.layouts(cfg)) == len(migrations.SAVED_LAYOUTS)
+    extra = migrations.Layout("test: a tree one level down", plan.units,
+                              lambda t: {"moved": t}, lambda t: t["moved"])
+    monkeypatch.setattr(migrations, "SAVED_LAYOUTS", (*migrations.SAVED_LAYOUTS, extra))
+    pairs = checkpoint.layouts(cfg)
+    assert len(pairs) == len(migrations.SAVED_LAYOUTS)
+    to_saved, to_current = pairs[-1]
+    assert to_saved({"x": 1}) == {"moved": {"x": 1}}
+    assert to_current({"moved": {"x": 1}}) == {"x": 1}
 
 
 @pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])
