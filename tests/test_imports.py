@@ -1,9 +1,11 @@
 """The dsattn package's module structure: its import graph has no cycle (imports deferred into
-functions or under TYPE_CHECKING count: they only hide a circle)."""
+functions or under TYPE_CHECKING count: they only hide a circle), and docs/design.md's module
+map has a line for every module (README's Layout as well)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,3 +96,24 @@ def test_the_dsattn_import_graph_has_no_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
+
+def _section(text: str, start: str, end: str) -> str:
+    i = text.index(start)
+    return text[i:text.index(end, i)]
+
+
+def test_the_design_module_map_names_every_module():
+    """docs/design.md's module map (a table row per module) names every dsattn/**/*.py file,
+    and no file that does not exist; README.md's Layout section names every one too."""
+    files = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
+    design = _section((ROOT / "docs" / "design.md").read_text(), "## Module map", "\n## ")
+    rows = re.findall(r"^\| `(dsattn/[\w/]+\.py)` \|", design, re.M)
+    assert len(rows) == len(set(rows)), "docs/design.md's module map names a module twice"
+    missing, stale = sorted(files - set(rows)), sorted(set(rows) - files)
+    assert not missing, f"docs/design.md's module map has no row for: {', '.join(missing)}"
+    assert not stale, f"docs/design.md's module map names missing files: {', '.join(stale)}"
+    layout = _section((ROOT / "README.md").read_text(), "## Layout", "\n## ")
+    named = set(re.findall(r"^(dsattn/[\w/]+\.py)\s", layout, re.M))
+    missing, stale = sorted(files - named), sorted(named - files)
+    assert not missing, f"README.md's Layout has no line for: {', '.join(missing)}"
+    assert not stale, f"README.md's Layout names missing files: {', '.join(stale)}"
