@@ -34,6 +34,11 @@ fits GIB of device memory (compiled memory analysis at batch 1 and 2), into ``fi
 (float32 weights both): final validation losses side by side and the backward pass's saved
 residual bytes at 8K tokens, into ``precision.{json,txt}``.
 
+--rotation STEPS instead trains each preset with an indexer (dsa, v4, v41 of the list) STEPS
+steps with full-precision keys, captures its indexers' queries and keys on held-out text,
+and counts how much of the full-precision top-k FP8/FP4 keys keep with and without the
+Hadamard rotation (indexer.hadamard), into ``rotation.{json,txt}``.
+
 --generate instead times generate() (64 new tokens after a 16-token prompt, prefill
 included) with its token loop on the device and on the host, alternating, into
 ``generate.{json,txt}``.
@@ -117,6 +122,9 @@ def parse_args(argv=None):
     ap.add_argument("--precision", type=int, default=0, metavar="STEPS",
                     help="train each preset STEPS steps in float32 and in bfloat16 compute: "
                          "final validation loss and saved residuals side by side, and stop")
+    ap.add_argument("--rotation", type=int, default=0, metavar="STEPS",
+                    help="top-k agreement of low-bit indexer keys with and without the "
+                         "Hadamard rotation, on presets trained STEPS steps, and stop")
     ap.add_argument("--fit-gib", type=float, default=0, metavar="GIB",
                     help="the largest batch at --lengths whose training step fits GIB of "
                          "device memory, by compiled memory analysis, and stop")
@@ -217,6 +225,15 @@ def main(argv=None) -> dict:
         (Path(args.out) / "precision.txt").write_text(precision.table(rows) + "\n")
         print(precision.table(rows))
         return {"precision": rows}
+    if args.rotation:
+        from dsattn.bench import rotation
+
+        presets = tuple(p for p in args.presets.split(",") if p in ("dsa", "v4", "v41"))
+        rows = rotation.measure(args.configs, presets, args.rotation, *args.set, log=log)
+        (Path(args.out) / "rotation.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "rotation.txt").write_text(rotation.table(rows) + "\n")
+        print(rotation.table(rows))
+        return {"rotation": rows}
     if args.long_context:
         from dsattn.bench import long_context
 
