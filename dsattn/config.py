@@ -8,12 +8,18 @@ Layer plans and per-layer lists accept a short form: ``"swa*2, (csa, hca)*20, cs
 Ratios resolve in this order: explicit ``attention.ratios`` list, else the per-kind default
 (``csa_ratio``, ``hca_ratio``, ``csa2_ratio``); then ``attention.ratio`` (if > 0) sets every
 compressed layer's ratio at once, so a ratio ablation is one override.
+
+Each key declares its `Kind` once, on its field: what changing it means to a run directory
+or a finished sweep run (a model change, a layout, how the step runs, the schedule, the
+data order...). `keys_of(kind)` and `kind_of(section, key)` are what the resume checks
+(dsattn.checkpoint, dsattn.train) and a sweep run's fingerprint (dsattn.ablate) read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import re
 import typing
@@ -36,170 +42,221 @@ INDEXER_TOPK = ("exact", "approx")  # lax.top_k | lax.approx_max_k (recall 1.0; 
 KEY_NORMS = ("layernorm", "rmsnorm")
 
 
+class Kind(enum.Enum):
+    """What a config key means to what already exists (a checkpoint to resume, a finished
+    sweep run to skip). Declared once, on each section field (`_key`: the field's metadata
+    "kind"); every check reads it through `kind_of` and `keys_of`."""
+
+    # What the weights compute (their shapes and meaning): a run restores only under the
+    # same value (checkpoint.check_compatible), and a finished sweep run is skipped only
+    # under the same value.
+    MODEL = "model"
+    # How the parameters are laid out, not what they compute: a run restores across it
+    # (checkpoint.layouts, migrations.SAVED_LAYOUTS).
+    LAYOUT = "layout"
+    # How a step runs (block sizes, remat, micro-batches, the device mesh), not what it
+    # computes: may change on resume, and left out of a sweep run's fingerprint, so a
+    # finished run is kept under another value.
+    EXECUTION = "execution"
+    # The learning-rate schedule: a resume under other values rebuilds it, with a warning.
+    SCHEDULE = "schedule"
+    # Which batch each step draws (data.batch_at): a resume under other values warns and is
+    # recorded as not exact (train.Trainer; strict refuses it).
+    DATA_ORDER = "data_order"
+    # The optimizer's other settings: a resume takes the new values.
+    OPTIMIZER = "optimizer"
+    # What a run validates, logs and keeps (validation, logs, checkpoints, MFU): a resume
+    # takes the new values.
+    RECORDING = "recording"
+
+
+def _key(default, kind: Kind):
+    """A section field with its default and its Kind."""
+    return field(default=default, metadata={"kind": kind})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    ffn_hidden: int = 384
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = True
+    vocab_size: int = _key(256, Kind.MODEL)
+    d_model: int = _key(128, Kind.MODEL)
+    n_layers: int = _key(4, Kind.MODEL)
+    ffn_hidden: int = _key(384, Kind.MODEL)
+    norm_eps: float = _key(1e-6, Kind.MODEL)
+    tie_embeddings: bool = _key(True, Kind.MODEL)
     # Compute dtype: every layer computes in it (parameters cast to it where used); softmax,
     # norms, the indexer's scores and top-k and the losses run in at least float32 whatever
     # it is (docs/design.md, "Precision"). float32, bfloat16, float16 or float64.
-    dtype: str = "float32"
+    dtype: str = _key("float32", Kind.MODEL)
     # Parameter dtype (and so the optimizer's moments): weights keep small updates in
     # float32 under bfloat16 compute. Never narrower than `dtype`: parameters are stored in
     # the wider of the two (jnp.promote_types), so model.dtype=float64 alone runs in exact
     # float64. Run directories saved before it existed read it as their `dtype`.
-    param_dtype: str = "float32"
-    init_std: float = 0.02
-    max_seq_len: int = 1024  # longest sequence: bounds train.seq_len; default cache length
+    param_dtype: str = _key("float32", Kind.MODEL)
+    init_std: float = _key(0.02, Kind.MODEL)
+    # Longest sequence: bounds train.seq_len; default cache length
+    max_seq_len: int = _key(1024, Kind.MODEL)
     # Run each repeated group of layers as one scan (plan.units): compiles in constant time
     # whatever the depth (docs/design.md, "Depth"); a layout, not a model change.
-    scan_layers: bool = True
+    scan_layers: bool = _key(True, Kind.LAYOUT)
     # Rematerialisation in the training step, around each block and the scan body: none,
     # block (keep only each block's inputs), or a jax.checkpoint_policies name. The default
     # keeps the weight matmuls and recomputes the rest: without it a scanned stack kept
     # per-block values quadratic in T (tiny mha at 32K: 6.5 GiB of temporaries, 1.6 with it;
     # docs/design.md, "Long context"). How the step runs, not what it computes.
-    remat: str = "dots_with_no_batch_dims_saveable"
+    remat: str = _key("dots_with_no_batch_dims_saveable", Kind.EXECUTION)
     # From this many tokens per sequence on, the training step rematerialises whole blocks
     # (as remat=block) whatever `remat` names: what a policy keeps grows with T, and at
     # long context it, not attention, decides the step's memory (docs/design.md). Set it
     # above model.max_seq_len to keep `remat` at every length.
-    remat_block_from: int = 16384
+    remat_block_from: int = _key(16384, Kind.EXECUTION)
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    layers: tuple[str, ...] = ("mha",)  # one kind per layer (or one kind for all layers)
-    n_heads: int = 4
-    head_dim: int = 32  # per-head dim of mha/gqa/mqa
-    n_kv_heads: int = 0  # mha/gqa/mqa; 0 means n_heads
-    rope_theta: float = 10000.0
+    # One kind per layer (or one kind for all layers)
+    layers: tuple[str, ...] = _key(("mha",), Kind.MODEL)
+    n_heads: int = _key(4, Kind.MODEL)
+    head_dim: int = _key(32, Kind.MODEL)  # per-head dim of mha/gqa/mqa
+    n_kv_heads: int = _key(0, Kind.MODEL)  # mha/gqa/mqa; 0 means n_heads
+    rope_theta: float = _key(10000.0, Kind.MODEL)
     # RoPE scaling (none | yarn), on the roles DeepSeek scales: every MLA/DSA/MHA layer's
     # rope (and the MLA softmax scale by mscale(factor, mscale_all_dim)^2), and V4's
     # compressed layers (compress_rope_theta; SWA layers keep the plain rope). Active only
     # when model.max_seq_len > yarn_original_max_position, as in DeepSeek's reference.
     # docs/design.md, "YaRN".
-    rope_scaling: str = "none"
-    yarn_factor: float = 1.0
-    yarn_original_max_position: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 0.0  # with mscale_all_dim: cos/sin x mscale(f, this)/mscale(f, all)
-    yarn_mscale_all_dim: float = 0.0  # 0: no softmax-scale factor (V4)
+    rope_scaling: str = _key("none", Kind.MODEL)
+    yarn_factor: float = _key(1.0, Kind.MODEL)
+    yarn_original_max_position: int = _key(4096, Kind.MODEL)
+    yarn_beta_fast: float = _key(32.0, Kind.MODEL)
+    yarn_beta_slow: float = _key(1.0, Kind.MODEL)
+    # With mscale_all_dim: cos/sin x mscale(f, this)/mscale(f, all)
+    yarn_mscale: float = _key(0.0, Kind.MODEL)
+    yarn_mscale_all_dim: float = _key(0.0, Kind.MODEL)  # 0: no softmax-scale factor (V4)
     # MLA (V2/V3/V3.2)
-    q_lora_rank: int = 0  # 0: queries straight from x (MHA/MLA); V4 family needs > 0
-    kv_lora_rank: int = 64
-    qk_nope_dim: int = 32
-    qk_rope_dim: int = 16
-    v_head_dim: int = 32
+    # 0: queries straight from x (MHA/MLA); V4 family needs > 0
+    q_lora_rank: int = _key(0, Kind.MODEL)
+    kv_lora_rank: int = _key(64, Kind.MODEL)
+    qk_nope_dim: int = _key(32, Kind.MODEL)
+    qk_rope_dim: int = _key(16, Kind.MODEL)
+    v_head_dim: int = _key(32, Kind.MODEL)
     # V4 family
-    entry_dim: int = 32  # entry width c: each head's query, the window KV, compressed entries
-    rope_dim: int = 16  # RoPE on the last rope_dim dims of queries and entries
-    window: int = 16
-    o_groups: int = 1
-    o_lora_rank: int = 64
-    query_norm: bool = True  # V4 RMS-normalises each head's query; V4.1 does not
-    compress_rope_theta: float = 10000.0
-    ratios: tuple[int, ...] = ()  # resolved per-layer compression ratio (0: none)
-    ratio: int = 0  # >0: every compressed layer uses this ratio
-    csa_ratio: int = 4
-    hca_ratio: int = 128
-    csa2_ratio: int = 2
-    sharing: bool = True  # False turns every reindex/reuse layer into a full layer
-    ced_split: int = 0  # first decoder layer under CED; 0: decoder-only stack
-    pool_blocks: int = 0  # hierarchical indexer: candidate blocks kept (0: off)
-    pool_block_size: int = 8
-    top_k: int = 8  # entries (tokens for dsa) each query selects through the indexer
+    # Entry width c: each head's query, the window KV, compressed entries
+    entry_dim: int = _key(32, Kind.MODEL)
+    rope_dim: int = _key(16, Kind.MODEL)  # RoPE on the last rope_dim dims of queries and entries
+    window: int = _key(16, Kind.MODEL)
+    o_groups: int = _key(1, Kind.MODEL)
+    o_lora_rank: int = _key(64, Kind.MODEL)
+    query_norm: bool = _key(True, Kind.MODEL)  # V4 RMS-normalises each head's query; V4.1 does not
+    compress_rope_theta: float = _key(10000.0, Kind.MODEL)
+    ratios: tuple[int, ...] = _key((), Kind.MODEL)  # resolved per-layer compression ratio (0: none)
+    ratio: int = _key(0, Kind.MODEL)  # >0: every compressed layer uses this ratio
+    csa_ratio: int = _key(4, Kind.MODEL)
+    hca_ratio: int = _key(128, Kind.MODEL)
+    csa2_ratio: int = _key(2, Kind.MODEL)
+    # False turns every reindex/reuse layer into a full layer
+    sharing: bool = _key(True, Kind.MODEL)
+    ced_split: int = _key(0, Kind.MODEL)  # first decoder layer under CED; 0: decoder-only stack
+    pool_blocks: int = _key(0, Kind.MODEL)  # hierarchical indexer: candidate blocks kept (0: off)
+    pool_block_size: int = _key(8, Kind.MODEL)
+    # Entries (tokens for dsa) each query selects through the indexer
+    top_k: int = _key(8, Kind.MODEL)
     # Queries per block in the training forward and a prefill chunk (attention/blocks.py):
     # what attention holds live scales with the block, not with T x T. Not a model change.
-    query_block: int = 512
+    query_block: int = _key(512, Kind.EXECUTION)
     # Entries per step of the online softmax over a long shared read (HCA over compressed
     # entries; core.attend), when no training target needs the per-entry probabilities.
-    entry_block: int = 2048
+    entry_block: int = _key(2048, Kind.EXECUTION)
 
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    n_heads: int = 4
-    head_dim: int = 32
-    rope_dim: int = 16
-    key_norm: str = "layernorm"  # DSA: LayerNorm on the key; CSA2: RMSNorm
-    loss_weight: float = 1.0
-    dense_warmup_steps: int = 0
-    impl: str = "auto"
-    interpret: bool = False
-    topk_method: str = "exact"  # approx: lax.approx_max_k, fast on TPU; ties may differ
-    key_block: int = 4096  # keys scored per step of the running top-k (indexer.top_k)
+    n_heads: int = _key(4, Kind.MODEL)
+    head_dim: int = _key(32, Kind.MODEL)
+    rope_dim: int = _key(16, Kind.MODEL)
+    key_norm: str = _key("layernorm", Kind.MODEL)  # DSA: LayerNorm on the key; CSA2: RMSNorm
+    loss_weight: float = _key(1.0, Kind.MODEL)
+    dense_warmup_steps: int = _key(0, Kind.MODEL)
+    impl: str = _key("auto", Kind.MODEL)
+    interpret: bool = _key(False, Kind.MODEL)
+    # approx: lax.approx_max_k, fast on TPU; ties may differ
+    topk_method: str = _key("exact", Kind.MODEL)
+    # Keys scored per step of the running top-k (indexer.top_k)
+    key_block: int = _key(4096, Kind.EXECUTION)
     # Rotate queries and keys by a Hadamard matrix wherever cache.key_format is FP8 or FP4
     # (scores unchanged, quantization error spread over the channels); head_dim a power of 2.
-    hadamard: bool = True
+    hadamard: bool = _key(True, Kind.MODEL)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    local_format: str = "native"  # V4-family window (ring buffer)
-    main_format: str = "native"  # compressed entries, MLA latents, MHA K/V
-    key_format: str = "native"  # indexer search keys
-    page_size: int = 16  # entries per page of the global (paged) cache
-    fake_quant: bool = False  # apply the formats' quantize-dequantize in the training forward
+    local_format: str = _key("native", Kind.MODEL)  # V4-family window (ring buffer)
+    main_format: str = _key("native", Kind.MODEL)  # compressed entries, MLA latents, MHA K/V
+    key_format: str = _key("native", Kind.MODEL)  # indexer search keys
+    page_size: int = _key(16, Kind.MODEL)  # entries per page of the global (paged) cache
+    # Apply the formats' quantize-dequantize in the training forward
+    fake_quant: bool = _key(False, Kind.MODEL)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    batch_size: int = 8
-    seq_len: int = 128
-    steps: int = 200
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    ckpt_every: int = 100
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
+    batch_size: int = _key(8, Kind.DATA_ORDER)
+    seq_len: int = _key(128, Kind.DATA_ORDER)
+    steps: int = _key(200, Kind.SCHEDULE)
+    lr: float = _key(3e-3, Kind.SCHEDULE)
+    min_lr_ratio: float = _key(0.1, Kind.SCHEDULE)
+    warmup_steps: int = _key(20, Kind.SCHEDULE)
+    weight_decay: float = _key(0.1, Kind.OPTIMIZER)
+    b1: float = _key(0.9, Kind.OPTIMIZER)
+    b2: float = _key(0.95, Kind.OPTIMIZER)
+    grad_clip: float = _key(1.0, Kind.OPTIMIZER)
+    eval_every: int = _key(50, Kind.RECORDING)
+    eval_batches: int = _key(4, Kind.RECORDING)
+    ckpt_every: int = _key(100, Kind.RECORDING)
+    keep_checkpoints: int = _key(2, Kind.RECORDING)
+    log_every: int = _key(10, Kind.RECORDING)
+    seed: int = _key(0, Kind.DATA_ORDER)
     # Peak TFLOP/s of one device, for the MFU training logs; 0: jax's device_kind looked
     # up in dsattn.flops.PEAK_TFLOPS (a device not there logs no MFU).
-    peak_tflops: float = 0.0
+    peak_tflops: float = _key(0.0, Kind.RECORDING)
     # Micro-batches per optimizer step (batch_size / grad_accum rows each), their gradients
     # summed in a scan: batch_size stays the step's batch, so only memory changes.
-    grad_accum: int = 1
+    grad_accum: int = _key(1, Kind.EXECUTION)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib", text file/glob, .u16/.bin tokens, or a token dir (data.py)
-    val_fraction: float = 0.05
-    max_bytes: int = 8_000_000  # cap on the corpus read (0: no cap)
+    # "stdlib", text file/glob, .u16/.bin tokens, or a token dir (data.py)
+    source: str = _key("stdlib", Kind.DATA_ORDER)
+    val_fraction: float = _key(0.05, Kind.DATA_ORDER)
+    max_bytes: int = _key(8_000_000, Kind.DATA_ORDER)  # cap on the corpus read (0: no cap)
 
 
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh sizes (dsattn.sharding); -1: the devices the other axes leave. The default
     is one device: nothing is sharded."""
-    data: int = 1  # batch rows
-    fsdp: int = 1  # batch rows, and parameters and optimizer state split
-    tensor: int = 1  # attention/indexer heads, FFN hidden, vocabulary split
+    data: int = _key(1, Kind.EXECUTION)  # batch rows
+    fsdp: int = _key(1, Kind.EXECUTION)  # batch rows, and parameters and optimizer state split
+    tensor: int = _key(1, Kind.EXECUTION)  # attention/indexer heads, FFN hidden, vocabulary split
+
+
+def _section(cls, full_size: bool = False):
+    """A Config field holding a section; `full_size`: its keys describe the attention design
+    whatever the model's size, so a sweep row's overrides of them carry to the sweep's
+    full-size preset (dsattn.ablate.full_size); the model's shape, training and data don't."""
+    return field(default_factory=cls, metadata={"full_size": full_size})
 
 
 @dataclass(frozen=True)
 class Config:
     name: str = "unnamed"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    indexer: IndexerConfig = field(default_factory=IndexerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = _section(ModelConfig)
+    attention: AttentionConfig = _section(AttentionConfig, full_size=True)
+    indexer: IndexerConfig = _section(IndexerConfig, full_size=True)
+    cache: CacheConfig = _section(CacheConfig, full_size=True)
+    train: TrainConfig = _section(TrainConfig)
+    data: DataConfig = _section(DataConfig)
+    mesh: MeshConfig = _section(MeshConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -214,15 +271,59 @@ class Config:
         return yaml.safe_dump(d, sort_keys=False)
 
 
-_SECTION_CLASSES = {
-    "model": ModelConfig,
-    "attention": AttentionConfig,
-    "indexer": IndexerConfig,
-    "cache": CacheConfig,
-    "train": TrainConfig,
-    "data": DataConfig,
-    "mesh": MeshConfig,
-}
+_SECTION_CLASSES = {f.name: f.default_factory for f in dataclasses.fields(Config)
+                    if f.name != "name"}  # in Config's order
+
+
+# ----------------------------------------------------------------------------- key kinds
+def kind_of(section: str, key: str) -> Kind | None:
+    """The Kind of `section.key` (None for a key no section has, e.g. one an old run
+    directory saved before it was removed)."""
+    return _KINDS.get((section, key))
+
+
+def keys_of(*kinds: Kind) -> tuple[tuple[str, str], ...]:
+    """The (section, key) pairs of these kinds, in declaration order (sections in Config's
+    order, keys in their dataclass's)."""
+    return tuple(k for k, kind in _KINDS.items() if kind in kinds)
+
+
+def sections_of(*kinds: Kind) -> tuple[str, ...]:
+    """The sections holding a key of these kinds, in Config's order."""
+    return tuple(dict.fromkeys(sec for sec, _ in keys_of(*kinds)))
+
+
+def full_size_sections() -> tuple[str, ...]:
+    """The sections whose overrides keep their meaning in a full-size preset (`_section`)."""
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("full_size"))
+
+
+def without(d: dict, *kinds: Kind) -> dict:
+    """A config dict (Config.to_dict's shape) without the keys of these kinds."""
+    return {sec: ({k: v for k, v in keys.items() if kind_of(sec, k) not in kinds}
+                  if isinstance(keys, dict) else keys) for sec, keys in d.items()}
+
+
+def with_values(cfg: Config, values: dict) -> Config:
+    """`cfg` with {(section, key): value} set (not validated)."""
+    sections = {}
+    for (sec, key), value in values.items():
+        sections.setdefault(sec, {})[key] = value
+    return dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kv)
+                                       for sec, kv in sections.items()})
+
+
+def _kinds() -> dict:
+    kinds = {}
+    for sec, cls in _SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            if not isinstance(f.metadata.get("kind"), Kind):
+                raise TypeError(f"{sec}.{f.name}: no Kind (declare it with _key)")
+            kinds[sec, f.name] = f.metadata["kind"]
+    return kinds
+
+
+_KINDS = _kinds()  # {(section, key): Kind}, in declaration order
 
 
 # ----------------------------------------------------------------------------- short forms
