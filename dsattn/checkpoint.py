@@ -1,16 +1,16 @@
 """Run directories: the config a run was trained with, orbax checkpoints of its state, and the
 lock that keeps one writer per directory.
 
-A run directory holds `config.yaml` (rewritten on resume; its model sections never change),
-`metrics.jsonl`, `checkpoints/` and `.lock`. Restoring checks the saved config first, so a
-checkpoint is never loaded into a model of another shape: the error names the first differing
-key; the checkpoint's own tree is checked too (parameter path and both shapes). Each step a
-Trainer saves gets a manifest of its files' sizes and hashes once committed (dsattn.manifest);
-every restore goes through `restore_latest`, which checks it first. A damaged step (changed,
-truncated or missing file, lost or garbled manifest, or a step orbax cannot read) is skipped
-with a warning naming the step, the file and the problem, for the newest step that verifies;
-`strict` refuses instead. Nothing damaged is restored; steps saved before manifests load
-unverified, with a warning.
+A run directory holds `config.yaml` (rewritten on resume; its model keys, config.Kind.MODEL,
+never change), `metrics.jsonl`, `checkpoints/` and `.lock`. Restoring checks the saved config
+first, so a checkpoint is never loaded into a model of another shape: the error names the
+first differing key; the checkpoint's own tree is checked too (parameter path and both
+shapes). Each step a Trainer saves gets a manifest of its files' sizes and hashes once
+committed (dsattn.manifest); every restore goes through `restore_latest`, which checks it
+first. A damaged step (changed, truncated or missing file, lost or garbled manifest, or a step
+orbax cannot read) is skipped with a warning naming the step, the file and the problem, for
+the newest step that verifies; `strict` refuses instead. Nothing damaged is restored; steps
+saved before manifests load unverified, with a warning.
 
 Sharded arrays (a Trainer on a mesh, dsattn.sharding) are saved as the shards each process's
 devices hold; `restore` reads into the shardings of the arrays it is given, so a checkpoint
@@ -39,17 +39,6 @@ from dsattn import manifest, migrations, plan
 from dsattn.errors import (CheckpointCorrupt, CheckpointMismatch,  # noqa: F401 (re-exported)
                            CheckpointWriteError, RunDirLocked)
 
-# Sections that define the weights' shapes and meaning; `train`/`data` may change on resume.
-MODEL_SECTIONS = ("model", "attention", "indexer", "cache")
-# Keys of those sections that change how weights are laid out, not what they compute: a run
-# restores across them (see `layouts`).
-LAYOUT_KEYS = {("model", "scan_layers")}
-# Keys that choose how a program runs (block sizes, remat, micro-batches), not what it
-# computes: free on resume (train.grad_accum is in no model section, so check_compatible never
-# compares it; it is listed to classify it, and DATA_ORDER_KEYS leave it out).
-EXECUTION_KEYS = {("attention", "query_block"), ("attention", "entry_block"),
-                  ("indexer", "key_block"), ("model", "remat"), ("model", "remat_block_from"),
-                  ("train", "grad_accum")}
 
 def relayout(tree, units_from, units_to):
     """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
@@ -151,15 +140,19 @@ def load_run_config(run_dir, overrides=()):
 
 
 def check_compatible(run_dir: Path, cfg) -> None:
-    """Raise CheckpointMismatch if run_dir was trained with a different model config."""
+    """Raise CheckpointMismatch if run_dir was trained with a different model config: a key
+    of Kind.MODEL differs (config.keys_of), or a key of those sections that config.yaml has
+    and today's sections don't. Any other key (a LAYOUT or EXECUTION one, the train, data
+    and mesh sections) may change on resume."""
     saved = saved_config(run_dir)
     if saved is None:
         return
     now = yaml.safe_load(cfg.to_yaml())
-    for sec in MODEL_SECTIONS:
+    compared = (config_lib.Kind.MODEL, None)  # None: a key no section has now
+    for sec in config_lib.sections_of(config_lib.Kind.MODEL):
         a, b = saved.get(sec, {}), now.get(sec, {})
         for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key) and (sec, key) not in LAYOUT_KEYS | EXECUTION_KEYS:
+            if a.get(key) != b.get(key) and config_lib.kind_of(sec, key) in compared:
                 raise CheckpointMismatch(
                     f"{run_dir}: checkpoint was trained with {sec}.{key}={a.get(key)!r}, "
                     f"this config has {sec}.{key}={b.get(key)!r}; use another run directory "

@@ -35,18 +35,10 @@ import optax
 from flax import nnx
 
 from dsattn import checkpoint, data, flops, progress, runlog, sharding, tblog
-from dsattn.config import Config
+from dsattn.config import Config, Kind, keys_of, with_values
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.evaluate import outputs, token_nll, weighted_mean
 from dsattn.model import Transformer
-
-
-# train.* keys that shape the learning-rate schedule.
-SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
-# Keys that decide the batch each step draws (data.batch_at, from the corpus's training
-# split): resumed with others, a run no longer continues as an uninterrupted one would.
-DATA_ORDER_KEYS = (("train", "batch_size"), ("train", "seq_len"), ("train", "seed"),
-                   ("data", "source"), ("data", "val_fraction"), ("data", "max_bytes"))
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:
@@ -95,7 +87,7 @@ class Trainer:
     Resuming with other schedule values (train.steps, warmup_steps, lr, min_lr_ratio) than the
     run directory's config.yaml, e.g. extending a finished run, warns naming old and new values
     and the learning rate's jump at the resume step: the schedule is rebuilt for the new
-    values, not kept. Resuming with other DATA_ORDER_KEYS values (batch size, sequence length,
+    values, not kept. Resuming with other Kind.DATA_ORDER values (batch size, sequence length,
     seed, data source or split) warns naming them and appends a record to metrics.jsonl,
     {"step", "time", "exact_resume": false, "changed": {key: [old, new]}}: the run no longer
     continues as an uninterrupted one would (config.yaml keeps only the new values). With
@@ -196,25 +188,27 @@ class Trainer:
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _warn_if_schedule_changed(self, saved: dict | None):
-        old = (saved or {}).get("train", {})
-        now = dataclasses.asdict(self.cfg.train)
-        changed = [k for k in SCHEDULE_KEYS if k in old and old[k] != now[k]]
+        old, now = saved or {}, self.cfg.to_dict()
+        changed = [(sec, key) for sec, key in keys_of(Kind.SCHEDULE)
+                   if key in old.get(sec, {}) and old[sec][key] != now[sec][key]]
         if not changed:
             return
-        before = make_schedule(dataclasses.replace(self.cfg, train=dataclasses.replace(
-            self.cfg.train, **{k: old[k] for k in changed})))
+        before = make_schedule(with_values(self.cfg, {(sec, key): old[sec][key]
+                                                    for sec, key in changed}))
         warnings.warn(
             f"{self.run_dir}: resuming at step {self.step} with "
-            + ", ".join(f"train.{k} {old[k]} -> {now[k]}" for k in changed)
+            + ", ".join(f"{sec}.{key} {old[sec][key]} -> {now[sec][key]}"
+                        for sec, key in changed)
             + f": the learning-rate schedule is rebuilt for the new values, so the rate at step "
             f"{self.step} jumps from {float(before(self.step)):.3g} to "
             f"{float(self.schedule(self.step)):.3g}", stacklevel=3)
 
     def _data_order_changes(self, saved: dict | None, strict: bool) -> dict:
-        """{key: [old, new]} of the DATA_ORDER_KEYS this resume changes, after a warning;
-        ConfigError instead if `strict`."""
+        """{key: [old, new]} of the Kind.DATA_ORDER keys this resume changes, after a
+        warning; ConfigError instead if `strict`."""
         old, now = saved or {}, self.cfg.to_dict()
-        changed = {f"{sec}.{key}": [old[sec][key], now[sec][key]] for sec, key in DATA_ORDER_KEYS
+        changed = {f"{sec}.{key}": [old[sec][key], now[sec][key]]
+                   for sec, key in keys_of(Kind.DATA_ORDER)
                    if key in old.get(sec, {}) and old[sec][key] != now[sec][key]}
         if not changed:
             return {}

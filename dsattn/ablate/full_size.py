@@ -9,10 +9,6 @@ from dsattn.ablate.sweep import Row, Sweep
 from dsattn.errors import ConfigError
 
 
-# Sections whose overrides keep a meaning at full size (model shape, training and data don't).
-FULL_SIZE_SECTIONS = ("attention", "indexer", "cache")
-
-
 def _ratios_by_role(cfg) -> dict | None:
     """{(kind, decoder half): ratio} of a config's compressed layers, or None when two layers
     of one role differ (then per-layer ratios have no depth-independent meaning)."""
@@ -37,13 +33,15 @@ def _translated_ratios(sweep: Sweep, row: Row, applied: list) -> str | None:
 
 def full_size_config(sweep: Sweep, row: Row):
     """The full-size preset with the row's attention/indexer/cache overrides that validate
-    there (each tried on its own); a per-layer `attention.ratios` list is carried over by
-    layer role (kind and CED half). Returns (config, applied, skipped) or Nones."""
+    there (each tried on its own; the sections config.full_size_sections names); a
+    per-layer `attention.ratios` list is carried over by layer role (kind and CED half).
+    Returns (config, applied, skipped) or Nones."""
     if not sweep.full_size:
         return None, [], []
     applied, skipped = [], []
+    carried = config_lib.full_size_sections()
     for ov in (*sweep.overrides, *row.overrides):
-        if ov.split(".", 1)[0] not in FULL_SIZE_SECTIONS:
+        if ov.split(".", 1)[0] not in carried:
             continue
         tries = [ov]
         if ov.split("=", 1)[0].strip() == "attention.ratios":
