@@ -24,11 +24,13 @@ their own seed). A row's seeds train together, as one model vmapped over the see
 (dsattn.train.SeedGroup: one compiled step, each seed's parameters, batches, metrics and
 checkpoints its own); rows whose shapes differ train one after another. A run with
 ``result.json`` is finished and skipped; any other resumes from its checkpoint; a finished
-run whose config or measurement settings changed since is refused (another --out). results.json / results.csv (one line per run) and summary.csv (one line per
-row: mean, standard deviation and 95% interval over its seeds of every metric,
-dsattn.seedstats) are rewritten after every run, plots at the end. Every run is also evaluated
-beyond its training length (`lengths`, multiples of train.seq_len): held-out loss, and recall
-with probes as many times longer and facts as many times farther back.
+run whose config (its execution keys aside: block sizes, remat...) or measurement
+settings changed since is refused (another --out). results.json / results.csv (one line per
+run) and summary.csv (one line per row: mean, standard deviation and 95% interval over its
+seeds of every metric, dsattn.seedstats) are rewritten after every run, plots at the end.
+Every run is also evaluated beyond its training length (`lengths`, multiples of
+train.seq_len): held-out loss, and recall with probes as many times longer and facts as many
+times farther back.
 A second process on the same sweep directory is refused (RunDirLocked naming the holder's
 pid), as a second writer of a run directory is.
 """
@@ -44,6 +46,7 @@ from pathlib import Path
 
 import yaml
 
+from dsattn import config as config_lib
 from dsattn import progress
 from dsattn.ablate.full_size import full_size_config  # noqa: F401  (public)
 from dsattn.ablate.measure import (Trained, complete, kv_figures, measure,  # noqa: F401
@@ -213,8 +216,26 @@ def estimate_line(sweep: Sweep, e: dict) -> str:
 
 
 def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
-    """What a finished run's numbers depend on: its config and the sweep's measurements."""
-    what = {"config": sweep.config(row, seed).to_dict(), "distances": sweep.distances,
+    """What a finished run's numbers depend on: its config without its Kind.EXECUTION keys
+    (block sizes, remat, micro-batches, mesh: how the run computed, not what) and the sweep's
+    measurements."""
+    return _hashed(sweep, config_lib.without(sweep.config(row, seed).to_dict(),
+                                             config_lib.Kind.EXECUTION))
+
+
+def _legacy_fingerprint(sweep: Sweep, row: Row, seed: int, trained: dict | None) -> str:
+    """The fingerprint of a result.json written before execution keys were left out: of the
+    whole config, here with the execution values the run trained with (`trained`, its
+    config.yaml) in place of today's."""
+    config = sweep.config(row, seed).to_dict()
+    for sec, key in config_lib.keys_of(config_lib.Kind.EXECUTION):
+        if key in (trained or {}).get(sec, {}):
+            config[sec][key] = trained[sec][key]
+    return _hashed(sweep, config)
+
+
+def _hashed(sweep: Sweep, config: dict) -> str:
+    what = {"config": config, "distances": sweep.distances,
             "per_distance": sweep.per_distance, "probe_len": sweep.probe_len,
             "decode_context": sweep.decode_context, "lengths": sweep.lengths,
             "full_size": sweep.full_size and Path(sweep.full_size).name,
@@ -224,12 +245,20 @@ def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
 
 def _check_finished(sweep: Sweep) -> None:
     """A finished run measured under other settings would be skipped with stale numbers
-    (e.g. a sweep rerun with train.steps=...): refuse before training anything."""
+    (e.g. a sweep rerun with train.steps=...): refuse before training anything. Execution
+    keys (config.Kind.EXECUTION) may change, for runs finished before they were left out of
+    the fingerprint too (their whole-config fingerprint is checked with the execution values
+    of their config.yaml)."""
+    from dsattn.checkpoint import saved_config
+
     for row in sweep.rows:
         for seed in sweep.seeds:
             done = sweep.out / "runs" / row.name / f"seed{seed}" / "result.json"
-            if done.exists() and json.loads(done.read_text()).get(
-                    "fingerprint") != fingerprint(sweep, row, seed):
+            if not done.exists():
+                continue
+            stored = json.loads(done.read_text()).get("fingerprint")
+            if stored != fingerprint(sweep, row, seed) and stored != _legacy_fingerprint(
+                    sweep, row, seed, saved_config(done.parent)):
                 raise ConfigError(
                     f"row {row.name!r} seed {seed}: {done.parent} finished with other settings "
                     f"(config or measurements); give another --out or delete it")
