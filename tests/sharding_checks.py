@@ -186,8 +186,8 @@ def step_counting_int_collectives(trainer: Trainer, batch) -> dict:
     """One step of `trainer` on `batch`; {op: count} of the collectives its compiled program
     runs on integer arrays (token rows moving between devices)."""
     with jax.set_mesh(trainer.mesh):
-        args = (trainer.params, trainer.opt_state, trainer._batch(batch), jnp.int32(0))
-        compiled = trainer._train_step.lower(*args).compile()
+        args = (trainer.params, trainer.opt_state, trainer.trainstep.batch(batch), jnp.int32(0))
+        compiled = trainer.trainstep.train.lower(*args).compile()
         trainer.params, trainer.opt_state, _ = compiled(*args)
     ops = re.findall(r"= \(?[su]\d+\[[^\n]*? (all-gather|all-to-all|collective-permute|"
                      r"all-reduce|reduce-scatter)(?:-start)?\(", compiled.as_text())

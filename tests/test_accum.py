@@ -53,7 +53,7 @@ def test_accumulated_step_equals_the_whole_batch_step(tmp_path, name, weighted, 
     if weighted:
         batch = uneven_weights(batch)
     want, g_want = loss_and_grads(whole.model(), batch, jnp.int32(0))
-    got, g_got = jax.jit(accum._loss_and_grads)(accum.params, batch, jnp.int32(0))
+    got, g_got = jax.jit(accum.trainstep.loss_and_grads)(accum.params, batch, jnp.int32(0))
     assert sorted(got) == sorted(want)
     if name is V4:
         assert float(want["indexer_loss"]) > 0
@@ -80,9 +80,9 @@ def test_accumulation_holds_a_micro_batchs_temporaries(tmp_path):
                                   f"train.grad_accum={n}"), tmp_path / f"{batch}x{n}",
                            quiet=True)
         tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32)
-        return tr._train_step.lower(tr.params, tr.opt_state, {"inputs": tokens,
-                                                              "targets": tokens},
-                                    jnp.int32(0)).compile().memory_analysis().temp_size_in_bytes
+        return tr.trainstep.train.lower(tr.params, tr.opt_state, {"inputs": tokens,
+                                                                  "targets": tokens},
+                                        jnp.int32(0)).compile().memory_analysis().temp_size_in_bytes
 
     whole, accum, micro = temp(16, 1), temp(16, 4), temp(4, 1)
     assert 0.75 * micro <= accum <= 1.25 * micro, (accum, micro, whole)
