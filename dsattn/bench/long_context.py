@@ -13,7 +13,7 @@ from flax import nnx
 from dsattn import config
 from dsattn.bench.measures import time_training
 from dsattn.model import Transformer
-from dsattn.train import loss_fn, make_optimizer
+from dsattn.trainstep import loss_fn, make_optimizer
 
 GIB = 2 ** 30
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
