@@ -3,7 +3,8 @@
 1. prefill + decode_step logits == the teacher-forced forward's logits, for every row and
    step (ragged prompts, chunked prefill, bounded replay with R >= prompt, ring wrap-around,
    many completed blocks, top-k below and above the visible count, query and key blocks
-   that do not divide the sequence);
+   that do not divide the sequence, FP8/FP4 indexer keys rotated and trained with fake
+   quant);
 2. the teacher-forced forward is causal: logits at positions <= t never depend on tokens
    after t.
 
@@ -48,22 +49,25 @@ QBLOCK = {"attention.query_block": [512, 7, 32, 301]}
 KBLOCK = {"indexer.key_block": [4096, 5, 16]}
 # Entries per step of the online softmax over a long shared read (HCA's entries, a window)
 EBLOCK = {"attention.entry_block": [2048, 3, 16]}
+# Low-bit search keys (rotated by the Hadamard matrix first); trained with fake quant, which
+# `ablation` adds, so the forward computes what the cache stores.
+KEYS = {"cache.key_format": ["native", "fp4_ue8m0", "fp8_ue8m0"]}
 KNOBS = {
     "mha": {**SCAN, **QBLOCK},
     "gqa": {**QBLOCK},
     "mqa": {},
     "mla": {"cache.page_size": [16, 7], **SCAN, **QBLOCK},
     "dsa": {"attention.top_k": [32, 5, 400], "cache.page_size": [16, 7], **SCAN, **QBLOCK,
-            **KBLOCK},
+            **KBLOCK, **KEYS},
     "v4": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
            "attention.csa_ratio": [4, 2, 3], "attention.hca_ratio": [16, 8, 5],
-           "cache.page_size": [16, 7, 3], **QBLOCK, **KBLOCK, **EBLOCK},
+           "cache.page_size": [16, 7, 3], **QBLOCK, **KBLOCK, **EBLOCK, **KEYS},
     "v41": {"attention.top_k": [8, 3, 200], "attention.window": [16, 5, 40],
             "attention.pool_blocks": [3, 0, 1, 8], "attention.pool_block_size": [4, 2, 8],
             "attention.sharing": [True, False], "attention.ced_split": [5, 0],
             "attention.ratio": [0, 2, 3],  # 0: the preset's per-layer ratios (2 and 1)
             "cache.page_size": [16, 7, 5],
-            **SCAN, **QBLOCK, **KBLOCK, **EBLOCK},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
+            **SCAN, **QBLOCK, **KBLOCK, **EBLOCK, **KEYS},  # scans with sharing off: full*3 (encoder), full*5 (decoder)
 }
 # The quick search's configs: a few ablations per preset, each compiled once and shared by
 # that preset's examples.
@@ -78,7 +82,7 @@ QUICK = {
     "v41": [{}, {"attention.top_k": 3, "attention.pool_blocks": 8,
                  "attention.pool_block_size": 2, "cache.page_size": 7,
                  "attention.query_block": 7, "indexer.key_block": 5,
-                 "attention.entry_block": 16}],
+                 "attention.entry_block": 16, "cache.key_format": "fp4_ue8m0"}],
 }
 PRESETS = list(KNOBS)
 
@@ -97,6 +101,8 @@ def ablation(name: str, draw, tier: str) -> tuple[str, ...]:
         chosen = {k: draw(st.sampled_from(v)) for k, v in KNOBS[name].items()}
     else:
         chosen = draw(st.sampled_from(QUICK[name][:1] if tier == "fast" else QUICK[name]))
+    if chosen.get("cache.key_format", "native") != "native":
+        chosen = {**chosen, "cache.fake_quant": True}
     return tuple(f"{k}={str(v).lower()}" for k, v in sorted(chosen.items()))
 
 
