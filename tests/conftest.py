@@ -22,6 +22,12 @@ jax.config.update("jax_enable_x64", True)
 # and tests below move to the full tier from here, each with the fast-tier test that keeps
 # its promise covered. A node id names one case ("...[v4]") or every case of a test.
 FULL = {
+    "tests/test_hadamard.py::test_float64_forward_is_unchanged_by_the_rotation[dsa]":
+        "[v4], [v41] stay",
+    "tests/test_hadamard.py::test_rotated_fp4_keys_decode_equals_the_fake_quant_forward[dsa]":
+        "[v4], [v41] stay; test_v4's quantized-cache case keeps DSA's FP4 keys",
+    "tests/test_length_controls.py::test_scaled_top_k_keeps_the_parameters":
+        "the noise-probe test stays",
     # cheaper cases of the same test stay fast; each family's causality: test_properties
     "tests/test_blocks.py::test_training_step_memory_grows_linearly_with_the_sequence[v4-extra0]":
         "[mha-extra1] stays",
