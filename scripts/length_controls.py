@@ -11,7 +11,7 @@ For each run and each length (the probe block after times - 1 earlier blocks):
           positions and the same number of compressed entries, no competing facts
   topk    (CSA rows) facts, with the indexer's top-k scaled by `times`: a constant share of
           the entries, rather than a constant count, is read
-Recall is split at the window's reach (n_layers x (window - 1)): inside it the fact is in a
+Recall is split at the windows' reach (dsattn.ablate.reach): inside it the fact is in a
 window; beyond it only compressed entries carry it. Rows: mean over seeds ± Student-t 95%
 half-width. Writes length_controls.{json,txt} into the sweep directory.
 """
@@ -59,25 +59,16 @@ def with_top_k(model, top_k: int):
     return nnx.merge(graphdef, nnx.state(model))
 
 
-def split_recall(acc: dict, reach: int) -> tuple[float, float]:
-    """(mean recall at distances within reach, beyond it) from {distance: accuracy}."""
-    import numpy as np
-
-    inside = [a for d, a in acc.items() if d <= reach]
-    beyond = [a for d, a in acc.items() if d > reach]
-    return float(np.mean(inside)), float(np.mean(beyond))
-
-
 def measure(sweep_dir: Path, times_list, distances, per_distance: int, log=print) -> list:
     from dsattn import checkpoint, plan
+    from dsattn.ablate.reach import split, window_reach
     from dsattn.recall_eval import accuracy
 
     records = []
     for seed_dir in sorted((sweep_dir / "runs").glob("*/seed*")):
         model, cfg, step = checkpoint.load_params(seed_dir)
         row, seed = seed_dir.parent.name, seed_dir.name
-        a = cfg.attention
-        reach = cfg.model.n_layers * (a.window - 1)
+        a, reach = cfg.attention, window_reach(cfg)
         csa = any(s.kind.scans_keys for s in plan.resolve(cfg))
         for times in times_list:
             facts, noise = probes_at(cfg, times, distances, per_distance, 64)
@@ -85,7 +76,8 @@ def measure(sweep_dir: Path, times_list, distances, per_distance: int, log=print
             if csa and times > 1:
                 runs["topk"] = (with_top_k(model, a.top_k * times), facts)
             for variant, (m, p) in runs.items():
-                inside, beyond = split_recall(accuracy(m, p), reach)
+                sides = split(accuracy(m, p), reach)
+                inside, beyond = sides["within"], sides["beyond"]
                 records.append({"row": row, "seed": seed, "step": step, "times": times,
                                 "variant": variant, "inside": inside, "beyond": beyond,
                                 "reach": reach})

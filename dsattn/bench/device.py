@@ -85,7 +85,8 @@ def run_tests(paths, root: Path, timeout_s: float) -> dict:
     return {"paths": list(paths), "returncode": rc, "timed_out": rc is None,
             "seconds": time.perf_counter() - t0, "finished": len(progress),
             "failed_so_far": progress.count("F") + progress.count("E"),
-            **counts, "failed_ids": failed, "tail": text[-3000:] if rc or rc is None else text[-400:]}
+            **counts, "failed_ids": failed,
+            "tail": text[-400:] if rc == 0 else text[-3000:]}  # more of it when it failed
 
 
 def preset(settings: Settings, name: str, *extra: str):
@@ -104,7 +105,7 @@ def train_preset(settings: Settings, name: str, peak: float | None) -> dict:
     per_token = flops.train_flops_per_token(cfg, settings.train_seq)
     tflops = got["tokens_per_s"] * per_token / 1e12
     return {"preset": name, "dtype": cfg.model.dtype,
-            "param_dtype": getattr(cfg.model, "param_dtype", cfg.model.dtype), "seq_len": settings.train_seq,
+            "param_dtype": cfg.model.param_dtype, "seq_len": settings.train_seq,
             "batch": settings.train_batch, **got, "train_flops_per_token": per_token,
             "model_tflops_per_s": tflops, "mfu": tflops / peak if peak else None,
             "peak_bytes_in_use": _peak_bytes()}
