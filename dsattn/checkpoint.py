@@ -35,25 +35,15 @@ import orbax.checkpoint as ocp
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import manifest, migrations, plan
+from dsattn import manifest, migrations, scan
 from dsattn.errors import (CheckpointCorrupt, CheckpointMismatch,  # noqa: F401 (re-exported)
                            CheckpointWriteError, RunDirLocked)
 
 
 def relayout(tree, units_from, units_to):
-    """A params (or optimizer-state) tree laid out for `units_from` (plan.units) re-laid out
-    for `units_to`: scanned groups hold their copies stacked along a leading axis, under
-    "layers" (model.ScannedBlocks)."""
-    from dsattn.model import per_layer, per_unit
-
-    def blocks(units_blocks: dict) -> dict:
-        items = [units_blocks[j]["layers"] if u.scanned else units_blocks[j]
-                 for j, u in enumerate(units_from)]
-        layers = per_layer(units_from, items)
-        return {j: {"layers": dict(enumerate(item))} if u.scanned else item
-                for j, (u, item) in enumerate(zip(units_to, per_unit(units_to, layers)))}
-
-    return tree if units_from == units_to else migrations.rewrite(tree, "blocks", blocks)
+    """A params (or optimizer-state) tree laid out for `units_from` (scan.units) re-laid out
+    for `units_to` (scan.relayout, wherever the tree holds blocks)."""
+    return scan.relayout(tree, units_from, units_to, migrations.rewrite)
 
 
 def layouts(cfg) -> list:
@@ -61,7 +51,7 @@ def layouts(cfg) -> list:
     been saved in besides `cfg`'s own: one pair per entry of migrations.SAVED_LAYOUTS, in its
     order (its blocks re-laid out between `cfg`'s units and the saved ones, then the entry's
     own rewrite)."""
-    now = plan.units(cfg)
+    now = scan.units(cfg)
 
     def maps(layout: migrations.Layout):
         saved = layout.units(cfg)

@@ -2,8 +2,8 @@
 code reads the old ones: config keys renamed or added (`upgrade_saved`, `RENAMED`; e.g.
 `model.param_dtype`, which a run saved before it had equal to `model.dtype`), and
 parameters that moved in the module tree (`MOVED_IN_ATTN`, `legacy_layout` /
-`current_layout`, for params and optimizer moments alike), and scanned layouts that changed
-(`first_copies_unrolled`, `without_runs`). One place for every migration,
+`current_layout`, for params and optimizer moments alike), and the layer layouts earlier
+versions saved (`SAVED_LAYOUTS`, their units from dsattn.scan). One place for every migration,
 so a new one is one entry here: a config key in `upgrade_saved`, a layout a checkpoint may
 have been saved in in `SAVED_LAYOUTS` (dsattn.checkpoint.layouts derives its restore maps
 from that list alone); dsattn.config and dsattn.checkpoint apply them."""
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from dsattn import plan
+from dsattn import plan, scan
 
 
 # Keys renamed since run directories were first written: (section, old) -> new.
@@ -114,25 +114,6 @@ def current_layout(tree):
     return rewrite(tree, "attn", _upgrade_attn)
 
 
-def first_copies_unrolled(units, specs) -> tuple:
-    """The units (plan.Unit) a scanned run had when saved before scans carried a fixed
-    context (through commit 49035c5): a group whose layers write the context (entries, a
-    selection, a pool) ran its first copy unrolled, and the scan only the other copies."""
-    out = []
-    for u in units:
-        if u.scanned and any(specs[i].writes_context for i in range(u.start, u.start + u.period)):
-            out.extend(plan.Unit(i) for i in range(u.start, u.start + u.period))
-            u = plan.Unit(u.start + u.period, u.period, u.copies - 1)
-        out.append(u)
-    return tuple(out)
-
-
-def without_runs(units) -> tuple:
-    """The units (plan.Unit) a scanned run had when saved before runs of equal layers in a
-    group were nested scans (through commit 46e758a): every layer its own slot."""
-    return tuple(plan.Unit(u.start, u.period, u.copies) for u in units)
-
-
 def _unchanged(tree):
     return tree
 
@@ -140,7 +121,7 @@ def _unchanged(tree):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A layout a run of a config's model may have been saved in besides the config's own:
-    the units (plan.Unit) its blocks were stored by, `units(cfg)`, and a rewrite of a tree
+    the units (scan.Unit) its blocks were stored by, `units(cfg)`, and a rewrite of a tree
     laid out by those units into the saved form (`to_saved`) with its inverse
     (`to_current`). dsattn.checkpoint re-lays out scanned and unrolled blocks around them."""
 
@@ -150,10 +131,10 @@ class Layout:
     to_current: Callable = _unchanged
 
 
-def _units(cfg, scan: bool) -> tuple:
-    """plan.units of `cfg` with model.scan_layers=scan."""
-    return plan.units(dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, scan_layers=scan)))
+def _units(cfg, scanned: bool) -> tuple:
+    """scan.units of `cfg` with model.scan_layers=scanned."""
+    return scan.units(dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, scan_layers=scanned)))
 
 
 # Every layout a checkpoint may hold besides its config's own, tried in this order on
@@ -161,9 +142,10 @@ def _units(cfg, scan: bool) -> tuple:
 SAVED_LAYOUTS = (
     Layout("the other model.scan_layers (scanned or unrolled)",
            lambda cfg: _units(cfg, not cfg.model.scan_layers)),
-    Layout("scanned without nested runs", lambda cfg: without_runs(_units(cfg, True))),
-    Layout("scanned with context-writing first copies unrolled",
-           lambda cfg: first_copies_unrolled(without_runs(_units(cfg, True)), plan.resolve(cfg))),
+    Layout("scanned without nested runs", lambda cfg: scan.without_runs(_units(cfg, True))),
+    Layout("scanned with context-writing first groups unrolled",
+           lambda cfg: scan.context_writers_unrolled(scan.without_runs(_units(cfg, True)),
+                                                  plan.resolve(cfg))),
     Layout("unrolled, saved before the layer plan (MOVED_IN_ATTN)",
            lambda cfg: _units(cfg, False), legacy_layout, current_layout),
 )

@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsattn import plan, sharding
+from dsattn import plan, scan, sharding
 from dsattn.attention import blocks, selectors, sources
 from dsattn.attention.context import CachedContext, Stream, StackContext
 from dsattn.attention.dsa import DSA
 from dsattn.attention.layer import V4Attention
 from dsattn.attention.mha import MHA
 from dsattn.attention.mla import MLA
-from dsattn.cache import stacked
 from dsattn.cache.layer_caches import LayerCache
 from dsattn.config import Config
 from dsattn.errors import InputError
@@ -88,8 +87,8 @@ class DecodeState:
     """What cached generation carries between calls: each row's next position, which rows
     a compiled step refused because they would pass `max_len` (sticky; see
     generate.check_cache), each row's (position, layer) evaluations so far, and the layers'
-    caches: one per unit (plan.units), a scanned group's as a tuple over its slots, each
-    stacked over the slot's copies x run (`layer_caches` gives one per layer). `max_len`
+    caches: one per unit (dsattn.scan.units, which lays a scanned group's out;
+    `layer_caches` gives one per layer). `max_len`
     is static (not a leaf).
 
     `host_pos` is `pos` as the host already knows it (a read-only numpy copy), so a
@@ -148,157 +147,6 @@ class Block(nnx.Module):
         return self.attn.init_cache(batch, max_len)
 
 
-def _stacked_block(cfg: Config, spec: plan.LayerSpec, n: int, rngs: nnx.Rngs):
-    """`n` blocks of one spec with their parameters stacked along a leading axis."""
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-        return Block(cfg, spec, rngs)
-
-    return create(rngs)
-
-
-def _scan(body, carry, xs, writes_context: bool):
-    """`jax.lax.scan(body, carry, xs)` over copies of layers (the carry's second item is the
-    context), the context given the structure one copy gives it first: a field the copies
-    write but find empty (None), or holding another shape (an earlier full layer's entries
-    at another ratio), enters as zeros of the shape a copy writes, so every copy, the first
-    included, runs the one scanned body. That value is never read: a copy writes such a
-    field before its layers read it (what a layer reads before its group writes it has the
-    shape the group writes: a borrower shares its source's ratio, plan.check)."""
-    if writes_context:
-        ctx = carry[1]
-        out = jax.eval_shape(body, carry, jax.tree.map(lambda a: a[0], xs))[0][1]
-        fields = {f.name: _shaped_like(getattr(ctx, f.name), getattr(out, f.name))
-                  for f in dataclasses.fields(ctx)}
-        carry = (carry[0], ctx.replace(**fields), *carry[2:])
-    return jax.lax.scan(body, carry, xs)
-
-
-class ScannedBlocks(nnx.Module):
-    """The `copies` copies of a repeated group of blocks (a scanned plan.Unit), run as one
-    `jax.lax.scan` whose body is one copy, and inside it each run of equal layers as a
-    nested scan: one layer per slot is traced and compiled, whatever the depth. A slot's
-    parameters and caches are stacked along one leading axis over copies x run. What flows
-    between layers (x and the context) is the scans' carry."""
-
-    def __init__(self, cfg: Config, unit: plan.Unit, rngs: nnx.Rngs):
-        specs = plan.resolve(cfg)
-        slot_specs = [specs[unit.layer(s, 0, 0)] for s in range(unit.traced)]
-        self.copies, self.runs = unit.copies, unit.runs
-        self.remat = Remat.of(cfg)
-        self.layers = nnx.List([_stacked_block(cfg, spec, unit.copies * r, rngs)
-                                for spec, r in zip(slot_specs, unit.runs)])
-        self.specs = tuple(slot_specs)
-        # The group's last slot that publishes its paged cache to later layers, if any.
-        self.publisher = next((q for q in reversed(range(unit.traced))
-                               if slot_specs[q].kind.shares), None)
-
-    def _slots(self):
-        """(graphdef, parameters) of each slot, a run's parameters as [copies, run, ...]."""
-        out = []
-        for layer, r in zip(self.layers, self.runs):
-            graphdef, p = nnx.split(layer)
-            if r > 1:
-                p = jax.tree.map(lambda a: a.reshape(self.copies, r, *a.shape[1:]), p)
-            out.append((graphdef, p))
-        return out
-
-    def __call__(self, x, positions, step=None, ctx=StackContext()):
-        """(output, one aux dict per layer in stack order, next context)."""
-        slots = self._slots()
-
-        def one_copy(carry, ps):
-            auxes = []
-            for s, ((graphdef, _), p) in enumerate(zip(slots, ps)):
-                def one_layer(carry, p, graphdef=graphdef):
-                    x, aux, ctx = nnx.merge(graphdef, p)(carry[0], positions, step, carry[1])
-                    return (x, ctx), aux
-
-                carry, aux = (one_layer(carry, p) if self.runs[s] == 1 else
-                              _scan(one_layer, carry, p, self.specs[s].writes_context))
-                auxes.append(aux)
-            return carry, auxes
-
-        policy = self.remat.policy(x.shape[1])
-        if policy is not None:
-            one_copy = jax.checkpoint(one_copy, policy=policy, prevent_cse=False)
-        (x, ctx), auxes = _scan(one_copy, (x, ctx), [p for _, p in slots],
-                                self.writes_context)
-        per_layer = [jax.tree.map(lambda v: v[c] if r == 1 else v[c, j], auxes[s])
-                     for c in range(self.copies)
-                     for s, r in enumerate(self.runs) for j in range(r)]
-        return x, per_layer, ctx
-
-    def extend(self, x, positions, valid, caches, ctx=CachedContext()):
-        """(output, the group's new stacked caches, next context). The caches are updated in
-        place (cache.stacked), so a decode step reads only what each layer selects."""
-        slots = self._slots()
-        if self.publisher is not None:  # each copy publishes before it borrows (plan.units)
-            ctx = ctx.replace(global_cache=None)
-
-        def one_copy(carry, xs):
-            x, ctx, caches = carry
-            ps, i = xs
-            caches = list(caches)
-            for s, ((graphdef, _), p) in enumerate(zip(slots, ps)):
-                x, ctx, caches[s] = self._extend_slot(s, graphdef, p, i, x, positions, valid,
-                                                      ctx, caches[s])
-            if self.publisher is not None:  # a view into `caches`: not carried twice
-                ctx = ctx.replace(global_cache=None)
-            return (x, ctx, tuple(caches)), None
-
-        caches = stacked.begin_scan(caches, positions, valid)
-        (x, ctx, caches), _ = _scan(one_copy, (x, ctx, caches),
-                                    ([p for _, p in slots],
-                                     jnp.arange(self.copies, dtype=jnp.int32)),
-                                    self.writes_context)
-        caches = stacked.end_scan(caches)
-        if self.publisher is not None:
-            q = self.publisher
-            ctx = ctx.replace(global_cache=self._published(q, caches[q], self.copies - 1))
-        return x, caches, ctx
-
-    def _extend_slot(self, s, graphdef, p, i, x, positions, valid, ctx, cache):
-        """Copy `i`'s layers of slot `s` on the slot's stacked caches: (x, ctx, cache)."""
-        r, shares = self.runs[s], self.specs[s].kind.shares
-
-        def one_layer(carry, xs):
-            x, ctx, cache = carry
-            p, k = xs
-            x, new, ctx = nnx.merge(graphdef, p).extend(x, positions, valid,
-                                                        stacked.view(cache, k), ctx)
-            if r > 1 and shares:  # a view into `cache`: not carried twice
-                ctx = ctx.replace(global_cache=None)
-            return (x, ctx, stacked.merge(cache, new, k)), None
-
-        if r == 1:
-            return one_layer((x, ctx, cache), (p, i))[0]
-        if shares:
-            ctx = ctx.replace(global_cache=None)
-        (x, ctx, cache), _ = _scan(one_layer, (x, ctx, cache),
-                                   (p, i * r + jnp.arange(r, dtype=jnp.int32)),
-                                   self.specs[s].writes_context)
-        if shares:
-            ctx = ctx.replace(global_cache=self._published(s, cache, i))
-        return x, ctx, cache
-
-    @property
-    def writes_context(self) -> bool:
-        return any(spec.writes_context for spec in self.specs)
-
-    def _published(self, s: int, cache, c):
-        """What the layers after copy `c` of publishing slot `s` borrow: the paged cache of
-        the slot's last layer in that copy."""
-        r = self.runs[s]
-        return stacked.view(sources.published(self.specs[s], cache), c * r + r - 1)
-
-    def init_cache(self, batch: int, max_len: int) -> tuple:
-        """One cache per slot of the group, stacked over its copies x run."""
-        return tuple(stacked.stack(block.init_cache(batch, max_len), self.copies * r)
-                     for block, r in zip(self.layers, self.runs))
-
-
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -306,10 +154,12 @@ class Transformer(nnx.Module):
         self.embedding = Embedding(m.vocab_size, m.d_model, rngs, dt, m.tie_embeddings,
                                    m.init_std)
         specs = plan.resolve(cfg)
-        self.units = plan.units(cfg)
-        # One entry per unit: a Block, or the stacked copies of a scanned group.
+        self.units = scan.units(cfg)
+        # One entry per unit: a Block, or a scanned group (dsattn.scan).
         self.blocks = nnx.List([
-            ScannedBlocks(cfg, u, rngs) if u.scanned else Block(cfg, specs[u.start], rngs)
+            scan.ScannedBlocks(cfg, u, rngs, partial(Block, cfg), Remat.of(cfg),
+                               sources.published) if u.scanned
+            else Block(cfg, specs[u.start], rngs)
             for u in self.units])
         self.norm = RMSNorm(m.d_model, m.norm_eps, dtype=dt)
 
@@ -393,58 +243,20 @@ class Transformer(nnx.Module):
         return self.embedding.logits(h)
 
 
-def _shaped_like(value, shape):
-    """`value` if it has the structure, shapes and dtypes of `shape` (a tree of
-    ShapeDtypeStructs), else zeros of those."""
-    def spec(t):
-        return jax.tree.structure(t), [(a.shape, a.dtype) for a in jax.tree.leaves(t)]
-
-    if spec(value) == spec(shape):
-        return value
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
-
-
 def _rows(x):
     """Hidden states [B, T, D] between layers: rows split as the batch is, on a mesh
     (dsattn.sharding; nothing without one)."""
     return sharding.constrain(x, ("batch", "seq", "embed"))
 
 
-def per_layer(units, items) -> list:
-    """One item per layer, in stack order, from one per unit (plan.units): a scanned unit's
-    item is indexable by slot (Unit.slots), each a tree stacked over copies x run."""
-    out = []
-    for unit, item in zip(units, items):
-        if not unit.scanned:
-            out.append(item)
-            continue
-        for c in range(unit.copies):
-            for s, r in enumerate(unit.runs):
-                out.extend(stacked.copy_at(item[s], c * r + j) for j in range(r))
-    return out
-
-
-def per_unit(units, layers) -> list:
-    """The inverse of `per_layer`: a scanned unit's item is a tuple over its slots of the
-    slot's layers' trees stacked (copy c's j-th at c * run + j)."""
-    out = []
-    for unit in units:
-        if not unit.scanned:
-            out.append(layers[unit.start])
-            continue
-        out.append(tuple(stacked.join([layers[unit.layer(s, c, j)] for c in range(unit.copies)
-                                       for j in range(r)]) for s, r in enumerate(unit.runs)))
-    return out
-
-
 def layer_caches(cfg: Config, state: DecodeState) -> list:
     """The decode state's caches, one per layer in stack order (scanned groups unstacked)."""
-    return per_layer(plan.units(cfg), state.layers)
+    return scan.per_layer(scan.units(cfg), state.layers)
 
 
 def with_layer_caches(cfg: Config, state: DecodeState, caches: list) -> DecodeState:
     """`state` holding `caches` (one per layer, as `layer_caches` gives them)."""
-    return state.replace(layers=tuple(per_unit(plan.units(cfg), caches)))
+    return state.replace(layers=tuple(scan.per_unit(scan.units(cfg), caches)))
 
 
 def _last_positions(x, positions, valid, r: int, keep_from=None):

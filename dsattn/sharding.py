@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from dsattn import scan
 from dsattn.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -47,8 +48,8 @@ LOGICAL = {
 }
 
 # Parameter path (dot-joined, matched at its end) -> logical names of its trailing
-# dimensions. First match wins; an array with more dimensions than named (a scanned group's
-# stacked copies, model.ScannedBlocks) keeps its leading ones replicated; an unmatched
+# dimensions. First match wins; an array with more dimensions than named (a scanned group's,
+# dsattn.scan) keeps its leading ones replicated; an unmatched
 # parameter (norm scales, the attention sink) is replicated whole.
 RULES = (
     (r"embedding\.embed\.embedding", ("vocab", "embed")),
@@ -250,26 +251,15 @@ def cache_specs(units, state, mesh: Mesh):
     """PartitionSpecs for a decode state (model.DecodeState) on `mesh`: every leaf split
     along its row axis over the batch's mesh axes, so each device holds the caches of its own
     rows: positions, rings, compressor states, contiguous caches, and the paged caches' page
-    tables and pages (pool groups, one per row shard: paged.regroup). A scanned group's
-    stacked copies (`units`, plan.units) keep their leading axis whole. MHA's key/value heads
-    also split over `tensor`; every other cached vector (an MLA latent, a V4 entry or
-    indexer key, a window) is one vector that all heads read, kept whole on each device."""
-    from dsattn.cache.protocol import is_container
-
+    tables and pages (pool groups, one per row shard: paged.regroup); a unit's caches as
+    dsattn.scan lays them out (`units`: scan.units). MHA's key/value heads also split over
+    `tensor`; every other cached vector (an MLA latent, a V4 entry or indexer key, a window)
+    is one vector that all heads read, kept whole on each device."""
     rows = row_axes(mesh, state.pos.shape[0]) or None
     tensor = mesh.shape.get("tensor", 1)
-
-    def layer(unit, cache):
-        lead = (None,) if unit.scanned else ()
-
-        def part(c):  # a container says its own layout; other state: rows, like its rows
-            return (c.specs(lead, rows, tensor) if is_container(c)
-                    else P(*lead, rows))
-
-        return jax.tree.map(part, cache, is_leaf=is_container)
-
     return state.replace(pos=P(rows), overflow=P(rows), evaluations=P(rows),
-                         layers=tuple(layer(u, c) for u, c in zip(units, state.layers)))
+                         layers=tuple(scan.layer_specs(u, c, rows, tensor)
+                                      for u, c in zip(units, state.layers)))
 
 
 def constrain_cache(units, state):

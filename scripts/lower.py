@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dsattn import cli, config, plan  # noqa: E402
+from dsattn import cli, config, scan  # noqa: E402
 from dsattn.bench import lower  # noqa: E402
 
 GIB = 2 ** 30
@@ -47,7 +47,7 @@ def main(argv=None):
     rows = [lower.analyse(cfg, args.batch, max_len)]
     if args.chunk:
         rows.append(lower.analyse(cfg, args.batch, max_len, chunk=args.chunk))
-    traced = sum(u.traced for u in plan.units(cfg))  # layers compiled (model.scan_layers)
+    traced = sum(u.traced for u in scan.units(cfg))  # layers compiled (model.scan_layers)
     print(f"{cfg.name}: {cfg.model.n_layers} layers ({traced} traced), batch {args.batch}, "
           f"cache of {max_len:,} "
           f"positions per row, parameters {rows[0]['param_bytes'] / GIB:.2f} GiB")

@@ -14,12 +14,13 @@ import pytest
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
-from dsattn import generate, model as model_lib, plan, sharding
+from dsattn import generate, model as model_lib, sharding
 from dsattn.bench.measures import synthetic_context
 from dsattn.cache.protocol import Container, is_container
 from dsattn.model import Transformer, layer_caches
 from dsattn.nn.layers import dense
 from dsattn.plan import Family
+from dsattn.scan import units
 from tests.helpers import check_decode_matches_forward, check_two_chunk_prefill, preset
 
 
@@ -28,7 +29,6 @@ class Previous(Container):
     """Each row's newest value vector, [B, D]."""
 
     value: jax.Array
-    copy: jax.Array | None = struct.field(default=None, kw_only=True)
 
     storage = "value"
 
@@ -54,11 +54,11 @@ class PreviousToken(nnx.Module):
 
     def extend(self, x, positions, valid, cache, ctx=None):
         c, v = cache["prev"], self.wv(x)
-        old = c.value[c.at]
+        old = c.value[...]
         rows, n = jnp.arange(x.shape[0]), jnp.sum(valid, -1)  # valid: a prefix of each row
         last = jnp.where((n > 0)[:, None], v[rows, jnp.maximum(n - 1, 0)], old)
         out = self._mix(v, jnp.concatenate([old[:, None], v[:, :-1]], 1), positions)
-        return out, {"prev": c.replace(value=c.value.at[c.at + (rows,)].set(last))}, ctx
+        return out, {"prev": c.replace(value=c.value.at[rows].set(last))}, ctx
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def previous_token(monkeypatch):
 def _model(scan: bool):
     cfg = preset("mha", "model.dtype=float64", "model.n_layers=4",
                  f"model.scan_layers={str(scan).lower()}")
-    assert any(u.scanned for u in plan.units(cfg)) == scan
+    assert any(u.scanned for u in units(cfg)) == scan
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 

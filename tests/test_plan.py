@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from dsattn import config, kvbytes, plan
+from dsattn import config, kvbytes, plan, scan
 from tests.helpers import ROOT
 
 GOLDEN = json.load(open(os.path.join(ROOT, "tests", "golden", "plan.json")))
@@ -66,11 +66,11 @@ def test_every_repeated_group_scans_all_its_copies():
     including groups that write the context (the full layers' entries and selections, the
     reindex layers' selections); no unit crosses the CED split at 20."""
     cfg = config.load(os.path.join(ROOT, "configs", "deepseek", "v4_1_flash.yaml"))
-    U = plan.Unit
+    U = scan.Unit
     # swa*2 (too few copies to scan) | (full, reuse*5)*3 || full | (reuse*3, reindex)*4
     # | reuse*3: the greedy pass from layer 21 covers 16 layers with period 4; inside a
     # group, a run of reuse layers is one slot (a nested scan)
-    units = plan.units(cfg)
+    units = scan.units(cfg)
     assert units == (U(0), U(1), U(2, 6, 3, (1, 5)), U(20), U(21, 4, 4, (3, 1)), U(37, 1, 3))
     assert sum(u.traced for u in units) == 8
     # copy 2's third reuse layer of the (full, reuse*5) group

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, cli, errors, migrations, plan, train
+from dsattn import checkpoint, cli, errors, migrations, scan, train
 from dsattn.model import Transformer
 from tests.helpers import ROOT, forward, preset
 
@@ -273,7 +273,7 @@ def test_scanned_run_saved_with_first_copies_unrolled_loads_and_resumes(tmp_path
     ran their first copy unrolled, so its scanned parameters hold one copy fewer. Today
     every copy is scanned: one stack of three."""
     cfg, items = _saved_run_loads_and_resumes(tmp_path, "scan_first_copy_run")
-    assert plan.units(cfg)[0] == plan.Unit(0, 2, 3)
+    assert scan.units(cfg)[0] == scan.Unit(0, 2, 3)
     full = _adam_moments(items)["blocks"][0]["layers"][0]["attn"]["source"]["compressor"]
     assert all(x.shape[0] == 3 and float(np.abs(x[0]).max()) > 0  # the once-unrolled copy
                for x in jax.tree.leaves(full))
@@ -285,7 +285,7 @@ def test_scanned_run_saved_before_nested_runs_loads_and_resumes(tmp_path):
     stacked each of the four layers over the 3 copies. Today the reuse run is one slot
     stacked over 3 copies x 3 layers, copy c's layer j at 3c + j."""
     cfg, items = _saved_run_loads_and_resumes(tmp_path, "scan_flat_runs_run")
-    assert plan.units(cfg) == (plan.Unit(0, 4, 3, (1, 3)),)
+    assert scan.units(cfg) == (scan.Unit(0, 4, 3, (1, 3)),)
     reuse = _adam_moments(items)["blocks"][0]["layers"][1]["ffn"]
     assert all(x.shape[0] == 9 and float(np.abs(x).max()) > 0 for x in jax.tree.leaves(reuse))
 
@@ -296,7 +296,7 @@ def test_a_saved_layout_is_one_entry_of_migrations(monkeypatch):
     re-layout."""
     cfg = preset("mha", "model.n_layers=2")
     assert len(checkpoint.layouts(cfg)) == len(migrations.SAVED_LAYOUTS)
-    extra = migrations.Layout("test: a tree one level down", plan.units,
+    extra = migrations.Layout("test: a tree one level down", scan.units,
                               lambda t: {"moved": t}, lambda t: t["moved"])
     monkeypatch.setattr(migrations, "SAVED_LAYOUTS", (*migrations.SAVED_LAYOUTS, extra))
     pairs = checkpoint.layouts(cfg)

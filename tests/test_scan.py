@@ -1,4 +1,4 @@
-"""Scanned layer groups (model.scan_layers, plan.units): a stack whose repeated groups run
+"""Scanned layer groups (model.scan_layers, scan.units): a stack whose repeated groups run
 as one scan over stacked parameters computes what the unrolled stack computes with the same
 weights, and its cached prefill/decode reproduces its forward. The patterns repeat DSA
 layers (paged caches stacked), V4 (csa, hca*2) groups (compressor states stacked) and V4.1
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import checkpoint, plan
+from dsattn import checkpoint, scan
 from dsattn.bench import lower
 from dsattn.model import Transformer
 from tests.helpers import check_decode_matches_forward, forward, loss_and_grads, preset
@@ -24,7 +24,7 @@ PATTERNS = {
 }
 
 
-# Runs of equal layers in a repeated group scan again inside each copy (plan.Unit.runs). With
+# Runs of equal layers in a repeated group scan again inside each copy (scan.Unit.runs). With
 # groups and runs of two copies, short stacks hold every kind of slot: a V4 compressor (csa)
 # alone then a run of hca layers; a V4.1 encoder whose full layers publish from a run and
 # whose reuse run borrows from it, and a decoder whose full layer (alone) builds the pool a
@@ -44,11 +44,11 @@ def _models(name, patterns=PATTERNS):
     base, *overrides = patterns[name]
     unrolled_cfg = preset(base, "model.dtype=float64", "model.scan_layers=false", *overrides)
     scanned_cfg = preset(base, "model.dtype=float64", "model.scan_layers=true", *overrides)
-    assert any(u.scanned for u in plan.units(scanned_cfg))
+    assert any(u.scanned for u in scan.units(scanned_cfg))
     unrolled = Transformer(unrolled_cfg, rngs=nnx.Rngs(0))
     scanned = Transformer(scanned_cfg, rngs=nnx.Rngs(1))
     weights = checkpoint.relayout(nnx.to_pure_dict(nnx.state(unrolled)),
-                                  plan.units(unrolled_cfg), plan.units(scanned_cfg))
+                                  scan.units(unrolled_cfg), scan.units(scanned_cfg))
     state = nnx.state(scanned)
     nnx.replace_by_pure_dict(state, weights)
     nnx.update(scanned, state)
@@ -66,7 +66,7 @@ def test_scanned_stack_equals_unrolled_and_decodes_its_forward(name):
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_nested_runs_equal_unrolled_and_decode_their_forward(name, monkeypatch):
-    monkeypatch.setattr(plan, "MIN_SCAN_COPIES", 2)
+    monkeypatch.setattr(scan, "MIN_SCAN_COPIES", 2)
     unrolled, scanned = _models(name, RUNS)
     assert any(max(u.runs) > 1 for u in scanned.units if u.scanned)
     toks = np.random.RandomState(1).randint(0, 256, (2, 40))
@@ -79,7 +79,7 @@ def test_nested_runs_train_as_unrolled(monkeypatch):
     """The training step through a run's scan nested in a group's rematerialised scan: the
     unrolled stack's loss and, laid out per layer, its gradients (the V4 stack; V4.1's 16
     float64 layers would add 25 s for the same code path)."""
-    monkeypatch.setattr(plan, "MIN_SCAN_COPIES", 2)
+    monkeypatch.setattr(scan, "MIN_SCAN_COPIES", 2)
     unrolled, scanned = _models("v4", RUNS)
     toks = np.random.RandomState(2).randint(0, 256, (2, 25))
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
@@ -121,7 +121,7 @@ def test_scanned_decode_updates_the_stacked_caches_in_place(name):
     bound, base, *overrides = IN_PLACE[name]
     scanned, unrolled = (preset(base, f"model.scan_layers={s}", "model.dtype=float32",
                                 *overrides) for s in ("true", "false"))
-    assert any(u.scanned for u in plan.units(scanned))
+    assert any(u.scanned for u in scan.units(scanned))
     temp, layer = _decode_temp_bytes(scanned, 65536)
     base_temp, _ = _decode_temp_bytes(unrolled, 65536)
     assert temp - base_temp < bound * layer

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn import config as config_lib
-from dsattn import generate, plan
+from dsattn import generate, scan
 from dsattn.bench.measures import time_decode
 from dsattn.model import Transformer
 
@@ -87,8 +87,8 @@ def measure(cfg, prompt: int = 64, context: int = 64, long_context: int = LONG_C
             "decode_ms": dec["step_ms"],
             "decode_long_ms": time_decode(model, long_context, batch=1, steps=10,
                                           warmup=2)["step_ms"],
-            "scanned_units": sum(u.scanned for u in plan.units(cfg)),
-            "traced_layers": sum(u.traced for u in plan.units(cfg))}
+            "scanned_units": sum(u.scanned for u in scan.units(cfg)),
+            "traced_layers": sum(u.traced for u in scan.units(cfg))}
 
 
 def run(configs_dir, patterns=tuple(PATTERNS), log=print) -> list[dict]:

@@ -1,7 +1,7 @@
 """A compressor's streaming state: the open entries' softmax-pooling accumulators, per row
 (attention/compressor.py merges tokens into them). Bookkeeping, not stored vectors: a
-container without `storage` (cache.protocol), sliced per copy of a scanned group like any
-small leaf, split by rows on a mesh, counted as 0 stored bytes."""
+container without `storage` (cache.protocol), split by rows on a mesh, counted as 0
+stored bytes."""
 
 import jax
 from flax import struct
@@ -17,5 +17,4 @@ class PoolState(Container):
     max: jax.Array
     den: jax.Array
     num: jax.Array
-    copy: jax.Array | None = None  # a scanned group's view: its copy (cache.protocol)
     storage = None  # no stored vectors

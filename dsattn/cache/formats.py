@@ -397,8 +397,8 @@ def store(stored: dict[str, jax.Array], index: tuple, encoded: dict[str, jax.Arr
     dims); out-of-range indices are dropped.
 
     Always a scatter done in place: XLA turns a one-update scatter (batch-1 decode) into a
-    dynamic-update-slice, which XLA:CPU performs on a copy of the whole array, every step,
-    and in a scanned group (cache.stacked) of every copy's stacked array, every copy. A
+    dynamic-update-slice, which XLA:CPU performs on a copy of the whole array, every step
+    (and of the whole larger array a view writes into, dsattn/scan.py). A
     second, dropped update (the last index one past its dimension) keeps it a scatter.
     """
     shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in index))

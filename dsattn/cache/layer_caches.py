@@ -1,7 +1,6 @@
 """What one layer keeps between cached calls, by attention family: typed values of cache
 containers (dsattn/cache/protocol.py) and, for the V4 family, its compressors' streaming
-state. A decode state holds one per layer (a scanned group: one per position in its group,
-stacked over the copies)."""
+state. A decode state holds one per layer (dsattn.scan lays out a scanned group's)."""
 
 from __future__ import annotations
 

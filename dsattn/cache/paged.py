@@ -19,9 +19,6 @@ The cache is a `PagedCache` pytree (all functions pure, jit-compatible, static s
                                                exhausted) or would pass max_entries
     fields, page_size, max_entries             static (not pytree leaves): the stored fields'
                                                formats and widths, and the geometry
-    copy         int32 [] or None              a scanned layer's copy (cache.stacked): pages
-                                               keep a leading copies axis and are read and
-                                               written at [copy], in place
 
 Pool groups (``groups`` G, default 1): the rows are split into G equal consecutive blocks
 and the pool into G equal page ranges; block g's rows take pages only from range g, and its
@@ -56,7 +53,7 @@ from flax import struct
 from flax.core import FrozenDict
 
 from dsattn.cache import formats
-from dsattn.cache.protocol import Container
+from dsattn.cache.protocol import Container, batch_axes, flat_rows
 from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
@@ -76,7 +73,6 @@ class PagedCache(Container):
     free: jax.Array
     n_free: jax.Array
     overflow: jax.Array
-    copy: jax.Array | None = struct.field(default=None, kw_only=True)
     fields: FrozenDict = struct.field(pytree_node=False)  # name -> Field
     page_size: int = struct.field(pytree_node=False)
     max_entries: int = struct.field(pytree_node=False)
@@ -141,7 +137,7 @@ def empty(fields: Mapping[str, Field], batch: int, max_entries: int, page_size: 
 
 
 def regroup(cache: PagedCache, groups: int) -> PagedCache:
-    """An EMPTY cache (as `empty` or a model's init_cache makes it; stacked copies too) with
+    """An EMPTY cache (as `empty` or a model's init_cache makes it, any leading axes) with
     its rows and pool split into `groups` (for a mesh: one group per row shard)."""
     batch, n_pages = cache.length.shape[-1], cache.n_pages
     if groups <= 0 or batch % groups or n_pages % groups:
@@ -155,6 +151,11 @@ def regroup(cache: PagedCache, groups: int) -> PagedCache:
                          overflow=jnp.zeros(lead + (groups,), bool))
 
 
+def _is_array(x) -> bool:
+    """A stored array or an array-like view of one (cache.protocol)."""
+    return hasattr(x, "shape")
+
+
 def _split_rows(x, g: int, axis: int = 0):
     return x.reshape(x.shape[:axis] + (g, x.shape[axis] // g) + x.shape[axis + 1:])
 
@@ -166,19 +167,20 @@ def _join_rows(x, axis: int = 0):
 def _by_group(fn, cache: PagedCache, *rows, returns_cache: bool = True):
     """`fn(one group's cache, *its rows)` for every pool group (vmapped), joined back. A
     group's cache has one pool of n_pages / G pages, with scalar n_free and overflow."""
-    g, a = cache.groups, len(cache.at)
-    grouped = cache.replace(pages=jax.tree.map(lambda x: _split_rows(x, g, a), cache.pages),
+    g = cache.groups
+    grouped = cache.replace(pages=jax.tree.map(lambda x: _split_rows(x, g), cache.pages,
+                                               is_leaf=_is_array),
                             page_table=_split_rows(cache.page_table, g),
                             length=_split_rows(cache.length, g),
                             free=_split_rows(cache.free, g))
-    axes = cache.replace(pages=jax.tree.map(lambda _: a, cache.pages), page_table=0,
-                         length=0, free=0, n_free=0, overflow=0, copy=None)
+    axes = cache.replace(pages=batch_axes(cache.pages, 0), page_table=0, length=0, free=0,
+                         n_free=0, overflow=0)
     rows = [jax.tree.map(lambda x: _split_rows(x, g), r) for r in rows]
     out = jax.vmap(fn, in_axes=(axes,) + (0,) * len(rows),
                    out_axes=axes if returns_cache else 0)(grouped, *rows)
     if not returns_cache:
         return jax.tree.map(_join_rows, out)
-    return out.replace(pages=jax.tree.map(lambda x: _join_rows(x, a), out.pages),
+    return out.replace(pages=jax.tree.map(_join_rows, out.pages, is_leaf=_is_array),
                        page_table=_join_rows(out.page_table), length=_join_rows(out.length),
                        free=_join_rows(out.free))
 
@@ -249,7 +251,7 @@ def _append(cache: PagedCache, new: Mapping[str, jax.Array], n_new) -> PagedCach
     pages = {}
     for name, f in fields.items():
         enc = formats.encode(f.fmt, new[name], f.rope)
-        pages[name] = formats.store(cache.pages[name], cache.at + (page, slot), enc)
+        pages[name] = formats.store(cache.pages[name], (page, slot), enc)
 
     return cache.replace(pages=pages, page_table=table,
                          length=jnp.where(granted, new_len, length), free=free,
@@ -279,7 +281,7 @@ def _gather(cache: PagedCache, name: str, idx, dtype) -> tuple[jax.Array, jax.Ar
     page = jnp.take_along_axis(table, jnp.clip(safe // ps, 0, per_row - 1), axis=1)
     page = jnp.where(valid, jnp.maximum(page, 0), 0)
     slot = safe % ps
-    picked = {a: v[cache.at + (page, slot)] for a, v in cache.pages[name].items()}  # [B, N, ...]
+    picked = {a: v[page, slot] for a, v in cache.pages[name].items()}  # [B, N, ...]
     vals = formats.decode(cache.fields[name].fmt, picked, dtype)
     vals = jnp.where(valid[..., None], vals, jnp.zeros((), vals.dtype))
     return vals.reshape(idx.shape + (vals.shape[-1],)), valid.reshape(idx.shape)
@@ -298,7 +300,7 @@ def _read_all(cache: PagedCache, name: str, dtype) -> tuple[jax.Array, jax.Array
     table, length = cache.page_table, cache.length
     B, per_row = table.shape
     pages = jnp.maximum(table, 0)  # unassigned slots are masked below
-    picked = {a: v[cache.at + (pages,)] for a, v in cache.pages[name].items()}
+    picked = {a: v[pages] for a, v in cache.pages[name].items()}
     rows = {a: v.reshape((B, per_row * ps) + v.shape[3:])[:, :max_entries]
             for a, v in picked.items()}
     vals = formats.decode(cache.fields[name].fmt, rows, dtype)
@@ -309,16 +311,15 @@ def _read_all(cache: PagedCache, name: str, dtype) -> tuple[jax.Array, jax.Array
 
 def pool(cache: PagedCache, name: str) -> tuple[dict, jax.Array]:
     """One field's pages as a single pool [pages, page_size, ...] and the page table into it
-    (what the kernels read): a group's pages are its range of the pool, and a stacked copy's
-    its block of the copies' pools."""
+    (what the kernels read): a group's pages are its range of the pool, which may itself
+    be a range of a larger array (protocol.flat_rows)."""
     table, (B, _) = cache.page_table, cache.page_table.shape
     group = jnp.arange(B, dtype=jnp.int32) // (B // cache.groups)
-    offset = group * (cache.n_pages // cache.groups)
-    if cache.copy is not None:
-        offset = offset + cache.copy * cache.n_pages
+    flat = {a: flat_rows(v) for a, v in cache.pages[name].items()}
+    first = next(iter(flat.values()))[1]
+    offset = first + group * (cache.n_pages // cache.groups)
     table = jnp.where(table >= 0, table + offset[:, None], -1)
-    return {a: v.reshape((-1,) + v.shape[len(cache.at) + 1:])
-            for a, v in cache.pages[name].items()}, table
+    return {a: v for a, (v, _) in flat.items()}, table
 
 
 def release(cache: PagedCache, rows) -> PagedCache:
@@ -350,7 +351,7 @@ def pages_in_use(cache: PagedCache) -> jax.Array:
 
 
 def check(cache: PagedCache) -> None:
-    """Host-side: raise CacheExhausted if any append overflowed (works on stacked caches)."""
+    """Host-side: raise CacheExhausted if any append overflowed (any leading axes)."""
     if not bool(np.any(np.asarray(jax.device_get(cache.overflow)))):
         return
     n_pages, page_size = cache.n_pages, cache.page_size

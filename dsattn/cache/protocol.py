@@ -1,41 +1,31 @@
-"""What every cache container declares once, so the code around caches (scanned groups,
+"""What a cache container is, declared once, so the code around caches (the layer stack,
 sharding, generate's checks, the benchmarks) needs no switch on cache types.
 
 A container is a flax struct dataclass deriving from `Container`, with
 
-- `storage`: the name of its field holding the stored vectors (what kvbytes counts); in a
-  scanned group's per-copy view they stay stacked and are read and written at `at`. None:
-  bookkeeping only (a compressor's open spans), sliced per copy like any array;
-- `copy`: that copy's index (None: not a view), hence `at`, the index prefix of the stored
-  vectors;
-- how a scanned group keeps its copies (`stack`, `copy_at`, `stacked`): by default every leaf
-  gains a leading copies axis; `whole`, fields a copy's view keeps whole; `begin_scan` and
-  `end_scan`, what it does around a scan over the copies (a contiguous cache writes each
-  copy's chunk after it);
-- its bookkeeping: every other pytree field (positions, page tables, lengths...), sliced
-  per copy like any array;
+- `storage`: the name of its field holding the stored vectors (what kvbytes counts); None:
+  bookkeeping only (a compressor's open spans);
+- `reads_whole`: whether a step reads every stored vector (a contiguous cache, read by
+  dots) rather than what it selects; such a container reads them through `reading`;
+- its bookkeeping: every other pytree field (positions, page tables, lengths...), with its
+  rows along the leading axis, like the stored vectors;
 
 and may override the hooks below (the defaults suit a container whose rows are
-independent and whose stored vectors are one per row).
+independent). A container indexes its stored arrays as arrays (`a[idx]`, `a.at[idx].set`);
+what it is given may be an array-like view of a larger array (dsattn/scan.py), which
+`batch_axes` and `flat_rows` let code that vmaps or flattens them handle.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 
 class Container:
     storage: str | None  # the field of stored vectors (None: none)
-    whole: tuple = ()  # other fields a copy's view keeps whole (not sliced per copy)
-    copy: jax.Array | None
-
-    @property
-    def at(self) -> tuple:
-        """The index prefix of this cache's stored vectors (its copy, if a stacked view)."""
-        return () if self.copy is None else (self.copy,)
+    reads_whole: bool = False  # a step reads every stored vector (through `reading`)
 
     @property
     def vectors(self):
@@ -44,27 +34,6 @@ class Container:
 
     def with_vectors(self, value):
         return self if self.storage is None else self.replace(**{self.storage: value})
-
-    def stack(self, copies: int):
-        """This (empty) cache for each of `copies` copies of a scanned layer group."""
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (copies,) + a.shape).copy(), self)
-
-    def copy_at(self, c: int):
-        """Copy `c` of a scanned group's cache (as `stack` made it), as an unstacked cache."""
-        return jax.tree.map(lambda a: index(a, c), self)
-
-    @classmethod
-    def stacked(cls, caches: list):
-        """The inverse of `copy_at`: one scanned group's cache from its copies' caches."""
-        return jax.tree.map(lambda *a: jnp.stack(a), *caches)
-
-    def begin_scan(self, positions, valid):
-        """Before a scan over a group's copies with a chunk at positions, valid [B, T]."""
-        return self
-
-    def end_scan(self):
-        """After that scan: what the copies deferred, done."""
-        return self
 
     def stored_bytes(self) -> int:
         """Bytes of the stored vectors, without the bookkeeping."""
@@ -80,10 +49,10 @@ class Container:
         """Host-side: raise CacheExhausted if the cache dropped a write (e.g. a page pool
         ran out)."""
 
-    def specs(self, lead: tuple, rows, tensor: int):
-        """PartitionSpecs of every leaf on a mesh: `lead` (a scanned group's copies axis),
-        then rows over `rows`; `tensor` is the mesh's tensor size."""
-        return jax.tree.map(lambda _: P(*lead, rows), self)
+    def specs(self, rows, tensor: int):
+        """PartitionSpecs of every leaf on a mesh: rows over `rows`; `tensor` is the mesh's
+        tensor size."""
+        return jax.tree.map(lambda _: P(rows), self)
 
     def filled(self, n: int, stride: int, rand):
         """As if `n` positions had been written (entries every `stride`), with `rand(shape,
@@ -95,8 +64,26 @@ def is_container(node) -> bool:
     return isinstance(node, Container)
 
 
-def index(a, c: int):
-    """a[c] along the leading axis, for arrays and abstract shapes (eval_shape'd states)."""
-    if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-    return a[c]
+def _is_view(a) -> bool:
+    return hasattr(a, "batch_axes") or hasattr(a, "read_in_place")
+
+
+def reading(tree, f):
+    """f(tree), for code that reads stored vectors whole (`reads_whole`): `tree` holds them
+    (arrays, or views that run f where their arrays lie)."""
+    views = [a for a in jax.tree.leaves(tree, is_leaf=_is_view) if hasattr(a, "read_in_place")]
+    return views[0].read_in_place(tree, f) if views else f(tree)
+
+
+def batch_axes(tree, axis: int):
+    """jax.vmap axes mapping dimension `axis` of each stored array of `tree` (a view maps
+    its own)."""
+    movable = lambda a: hasattr(a, "batch_axes")  # noqa: E731
+    return jax.tree.map(lambda a: a.batch_axes(axis) if movable(a) else axis, tree,
+                        is_leaf=movable)
+
+
+def flat_rows(a):
+    """(an array holding `a`'s rows [rows, ...] among others, the first of `a`'s rows in it):
+    `a` itself and 0 for an array."""
+    return a.flat_rows() if hasattr(a, "flat_rows") else (a, 0)

@@ -28,8 +28,6 @@ from dsattn.cache.protocol import Container
 class Ring(Container):
     kv: dict  # the format's stored arrays [B, W, ...]
     pos: jax.Array  # int32 [B, W]: position held by each slot, -1 empty
-    # A scanned layer's copy (cache.stacked): kv stays stacked and is used at [copy].
-    copy: jax.Array | None = struct.field(default=None, kw_only=True)
     fmt: str = struct.field(pytree_node=False)
     rope: int = struct.field(pytree_node=False)  # trailing rotary dims
 
@@ -81,7 +79,7 @@ def write(ring: Ring, values, positions, valid) -> Ring:
     rows = jnp.arange(positions.shape[0])[:, None]
 
     enc = formats.encode(ring.fmt, values, ring.rope)
-    kv = formats.store(ring.kv, ring.at + (rows, slots), enc)
+    kv = formats.store(ring.kv, (rows, slots), enc)
     pos = ring.pos.at[rows, slots].set(positions, mode="drop")
     stale = has[:, None] & (pos <= top[:, None] - w_slots)
     return ring.replace(kv=kv, pos=jnp.where(stale, -1, pos))
@@ -89,7 +87,7 @@ def write(ring: Ring, values, positions, valid) -> Ring:
 
 def read(ring: Ring, dtype):
     """All slots decoded: (values [B, W, w] in ``dtype``, positions int32 [B, W], -1 empty)."""
-    kv = {k: a[ring.at] for k, a in ring.kv.items()}
+    kv = {k: a[...] for k, a in ring.kv.items()}
     return formats.decode(ring.fmt, kv, dtype), ring.pos
 
 
