@@ -211,17 +211,18 @@ class InPlace:
 class PerCopy:
     """A stored array of a `reads_whole` container in a scanned group: one array per copy
     (a copy's read is then an operand XLA reads where it lies), and the copies' writes held
-    during a scan (`pending`: (index, values), each stacked over the copies)."""
+    during a scan (`pending`: (index, values), each stacked over the copies; done with
+    out-of-range indices dropped)."""
 
-    def __init__(self, arrays: tuple, pending=None, mode=None):
-        self.arrays, self.pending, self.mode = tuple(arrays), pending, mode
+    def __init__(self, arrays: tuple, pending=None):
+        self.arrays, self.pending = tuple(arrays), pending
 
     def tree_flatten(self):
-        return (self.arrays, self.pending), self.mode
+        return (self.arrays, self.pending), None
 
     @classmethod
-    def tree_unflatten(cls, mode, children):
-        return cls(children[0], children[1], mode)
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -230,15 +231,15 @@ class Deferred:
     copy's own array; a write (`a.at[idx].set(v)`) is held (`write`) and merged into the
     group's pending writes, done after the scan (`finish`)."""
 
-    def __init__(self, arrays: tuple, index, write=None, mode=None):
-        self.arrays, self.index, self.write, self.mode = tuple(arrays), index, write, mode
+    def __init__(self, arrays: tuple, index, write=None):
+        self.arrays, self.index, self.write = tuple(arrays), index, write
 
     def tree_flatten(self):
-        return (self.arrays, self.index, self.write), self.mode
+        return (self.arrays, self.index, self.write), None
 
     @classmethod
-    def tree_unflatten(cls, mode, children):
-        return cls(*children, mode=mode)
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
 
     shape = property(lambda self: self.arrays[0].shape)
     dtype = property(lambda self: self.arrays[0].dtype)
@@ -251,9 +252,10 @@ class Deferred:
     @property
     def at(self):
         def write(idx, v, mode):
-            if self.write is not None:
-                raise ValueError("a scanned copy's contiguous cache takes one write per step")
-            return Deferred(self.arrays, self.index, (_as_tuple(idx), v), mode)
+            if self.write is not None or mode not in (None, "drop"):
+                raise ValueError("a scanned copy's stored arrays that a step reads whole take "
+                                 "one write per step, out-of-range indices dropped")
+            return Deferred(self.arrays, self.index, (_as_tuple(idx), v))
 
         return _At(write)
 
@@ -363,10 +365,10 @@ def _merge_vector(old, new, i):
     if new.write is None:
         return old
     idx, v = new.write
-    pending = (jax.tree.map(lambda a: jnp.zeros((len(old.arrays),) + a.shape, a.dtype),
-                            (idx, v)) if old.pending is None else old.pending)
-    return PerCopy(old.arrays, jax.tree.map(lambda p, a: p.at[i].set(a), pending, (idx, v)),
-                   new.mode)
+    pending = (_no_writes(jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((len(old.arrays),) + a.shape, a.dtype), (idx, v)))
+        if old.pending is None else old.pending)
+    return PerCopy(old.arrays, jax.tree.map(lambda p, a: p.at[i].set(a), pending, (idx, v)))
 
 
 def merge(stacked, new, i):
@@ -376,13 +378,21 @@ def merge(stacked, new, i):
         n, put, lambda old, a: _merge_vector(old, a, i), m), put, new)
 
 
+def _no_writes(shape):
+    """Held writes (index, values) shaped as `shape` that write nothing: every index past
+    any array's end, so a copy that holds no write leaves its arrays as they are."""
+    idx, v = shape
+    return (jax.tree.map(lambda a: jnp.full(a.shape, jnp.iinfo(a.dtype).max, a.dtype), idx),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), v))
+
+
 def finish(tree):
     """After a scan over a group's copies: each copy's held write done, in place."""
     def vector(a):
         if not isinstance(a, PerCopy) or a.pending is None:
             return a
         idx, v = a.pending
-        return PerCopy(tuple(arr.at[tuple(x[j] for x in idx)].set(v[j], mode=a.mode)
+        return PerCopy(tuple(arr.at[tuple(x[j] for x in idx)].set(v[j], mode="drop")
                              for j, arr in enumerate(a.arrays)))
 
     return _each_container(tree, lambda n: _parts(n, lambda a: a, vector), lambda a: a)
@@ -393,8 +403,7 @@ def _pending_like(value, shape):
     `shape` (the carry item a scan body returns) has them."""
     def one(a, s):
         if isinstance(a, PerCopy) and a.pending is None and s.pending is not None:
-            return PerCopy(a.arrays, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                                  s.pending), s.mode)
+            return PerCopy(a.arrays, _no_writes(s.pending))
         return a
 
     return jax.tree.map(one, value, shape, is_leaf=lambda a: isinstance(a, PerCopy))

@@ -6,6 +6,7 @@ groups on both sides of a CED split, so the scans carry shared entries, selectio
 candidate pool, with runs of equal layers nested inside a group's scan."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -125,3 +126,80 @@ def test_scanned_decode_updates_the_stacked_caches_in_place(name):
     temp, layer = _decode_temp_bytes(scanned, 65536)
     base_temp, _ = _decode_temp_bytes(unrolled, 65536)
     assert temp - base_temp < bound * layer
+
+
+def _copies(make, n=3, seed=0):
+    """`n` caches made by make(rng), each written differently."""
+    return [make(np.random.default_rng(seed + c)) for c in range(n)]
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_copys_view_of_stacked_caches_is_that_copys_cache(traced):
+    """What a scan body does to copy i's view of a group's stacked caches (scan.view, then
+    scan.merge and, after the scan, scan.finish) is what the same calls do to copy i's own
+    cache, and leaves the other copies as they were: a paged cache of two pool groups
+    (append, gather, read_all, and the kernels' flat pool), a ring (write, local_keys) and a
+    contiguous cache (extend: one write held for the view, and what it attends over)."""
+    from dsattn.cache import contiguous, paged, ring
+
+    B, W, E = 4, 3, 2
+    fields = {"entry": paged.Field("native", 4)}
+
+    def make_paged(rng):
+        c = paged.empty(fields, B, 7, 2, jnp.float64, groups=2)
+        return paged.append(c, {"entry": jnp.asarray(rng.normal(size=(B, E, 4)))},
+                            jnp.asarray(rng.integers(0, E + 1, size=B)))
+
+    def make_ring(rng):
+        r = ring.empty("native", B, W, 4, 0, jnp.float64)
+        return ring.write(r, jnp.asarray(rng.normal(size=(B, 2, 4))),
+                          jnp.asarray([[0, 1]] * B), jnp.ones((B, 2), bool))
+
+    def make_contiguous(rng):
+        c = contiguous.empty("native", B, 6, (), 4, 0, jnp.float64)
+        pos = jnp.asarray([[0, 1]] * B)
+        return contiguous.extend((c,), (jnp.asarray(rng.normal(size=(B, 2, 4))),), pos,
+                                 jnp.ones((B, 2), bool), lambda segs: 0, jnp.float64)[1][0]
+
+    caches = [{"p": p, "r": r, "c": c} for p, r, c in
+              zip(_copies(make_paged), _copies(make_ring, seed=10), _copies(make_contiguous, seed=20))]
+    stacked = scan.join(caches)
+    rng = np.random.default_rng(99)
+    new = jnp.asarray(rng.normal(size=(B, E, 4)))
+    n_new = jnp.asarray([2, 0, 1, 2])
+    idx = jnp.asarray(rng.integers(-1, 8, size=(B, 5)), jnp.int32)
+    chunk = jnp.asarray(rng.normal(size=(B, 1, 4)))
+    pos, valid = jnp.full((B, 1), 2), jnp.asarray([[True], [False], [True], [True]])
+
+    def attended(segs):  # every (value, position, visible) the contiguous layer attends over
+        return [(v[0] * vis[..., None], jnp.where(vis, p, -1)) for v, p, vis in segs]
+
+    def step(cache):
+        p = paged.append(cache["p"], {"entry": new}, n_new)
+        got = paged.gather(p, "entry", idx, jnp.float64)
+        flat, table = paged.pool(p, "entry")
+        (flat,) = flat.values()
+        pooled = flat[jnp.maximum(table, 0)] * (table >= 0)[..., None, None]
+        keys = ring.local_keys(cache["r"], jnp.float64, chunk, pos, valid, W)
+        r = ring.write(cache["r"], chunk, pos, valid)
+        seen, (c,) = contiguous.extend((cache["c"],), (chunk,), pos, valid, attended,
+                                       jnp.float64)
+        reads = (got, paged.read_all(p, "entry", jnp.float64), pooled, keys, seen)
+        return reads, {"p": p, "r": r, "c": c}
+
+    def on_view(stacked, i):
+        reads, new_view = step(scan.view(stacked, i))
+        return reads, scan.finish(scan.merge(stacked, new_view, i))
+
+    run = jax.jit(on_view) if traced else on_view
+    for i in range(3):
+        reads, after = run(stacked, jnp.int32(i))
+        want_reads, want_cache = step(caches[i])
+        _same(reads, want_reads)
+        for c in range(3):
+            _same(scan.unstack(after, c), want_cache if c == i else caches[c])
