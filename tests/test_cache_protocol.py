@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsattn import generate, model as model_lib, sharding
 from dsattn.bench.measures import synthetic_context
-from dsattn.cache.protocol import Container, is_container
+from dsattn.cache.protocol import Container, is_container, reading
 from dsattn.model import Transformer, layer_caches
 from dsattn.nn.layers import dense
 from dsattn.plan import Family
@@ -33,8 +33,18 @@ class Previous(Container):
     storage = "value"
 
 
+@struct.dataclass
+class PreviousWhole(Previous):
+    """The same, declared as read whole every step (`reads_whole`: read through
+    protocol.reading)."""
+
+    reads_whole = True
+
+
 class PreviousToken(nnx.Module):
     """out_t = wo((v_t + v_{t-1}) / 2), v_{-1} = 0: a two-token window of equal weights."""
+
+    container = Previous
 
     def __init__(self, cfg, spec, rngs):
         d, dtype = cfg.model.d_model, jnp.dtype(cfg.model.dtype)
@@ -50,21 +60,27 @@ class PreviousToken(nnx.Module):
         return self._mix(v, jnp.pad(v, ((0, 0), (1, 0), (0, 0)))[:, :-1], positions), {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
-        return {"prev": Previous(jnp.zeros((batch, self.d), self.dtype))}
+        return {"prev": self.container(jnp.zeros((batch, self.d), self.dtype))}
 
     def extend(self, x, positions, valid, cache, ctx=None):
         c, v = cache["prev"], self.wv(x)
-        old = c.value[...]
+        old = reading(c.value, lambda value: value[...])
         rows, n = jnp.arange(x.shape[0]), jnp.sum(valid, -1)  # valid: a prefix of each row
         last = jnp.where((n > 0)[:, None], v[rows, jnp.maximum(n - 1, 0)], old)
         out = self._mix(v, jnp.concatenate([old[:, None], v[:, :-1]], 1), positions)
         return out, {"prev": c.replace(value=c.value.at[rows].set(last))}, ctx
 
 
-@pytest.fixture
-def previous_token(monkeypatch):
-    """Every MHA-family layer built while the test runs uses PreviousToken."""
-    monkeypatch.setitem(model_lib.ATTENTION, Family.MHA, PreviousToken)
+class PreviousTokenWhole(PreviousToken):
+    container = PreviousWhole
+
+
+@pytest.fixture(params=[PreviousToken, PreviousTokenWhole], ids=["selective", "whole"])
+def previous_token(monkeypatch, request):
+    """Every MHA-family layer built while the test runs uses PreviousToken, its container
+    read selectively or whole."""
+    monkeypatch.setitem(model_lib.ATTENTION, Family.MHA, request.param)
+    return request.param.container.reads_whole
 
 
 def _model(scan: bool):
@@ -91,8 +107,9 @@ def test_a_new_container_is_laid_out_and_filled(previous_token):
     mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
     state = jax.eval_shape(lambda: model.init_cache(8, 16))
     specs = sharding.cache_specs(model.units, state, mesh)
+    whole = previous_token  # a scanned group keeps such a container's vectors per copy
     for unit, layer in zip(model.units, specs.layers):
-        lead = (None,) if unit.scanned else ()
+        lead = (None,) if unit.scanned and not whole else ()
         for spec in jax.tree.leaves(layer, is_leaf=lambda s: isinstance(s, P)):
             assert spec == P(*lead, ("data", "fsdp"))
     cache = synthetic_context(model, model.init_cache(2, 16), 5)
