@@ -246,7 +246,7 @@ class Deferred:
     ndim = property(lambda self: self.arrays[0].ndim)
 
     def __getitem__(self, idx):
-        raise TypeError("a scanned copy's contiguous cache is read through "
+        raise TypeError("stored arrays a step reads whole (reads_whole) are read through "
                         "cache.protocol.reading, not indexed")
 
     @property
@@ -399,8 +399,8 @@ def finish(tree):
 
 
 def _pending_like(value, shape):
-    """`value` (a carry item) with each PerCopy's missing pending writes as zeros shaped as
-    `shape` (the carry item a scan body returns) has them."""
+    """`value` (a carry item) with each PerCopy's missing pending writes shaped as `shape`
+    (the carry item a scan body returns) has them, writing nothing (`_no_writes`)."""
     def one(a, s):
         if isinstance(a, PerCopy) and a.pending is None and s.pending is not None:
             return PerCopy(a.arrays, _no_writes(s.pending))
