@@ -99,11 +99,12 @@ def run(configs_dir, patterns=tuple(PATTERNS), log=print) -> list[dict]:
             raise ValueError(f"depth sweep: no pattern {name!r}; known: {', '.join(PATTERNS)}")
         make, depths = PATTERNS[name]
         for depth in depths:
-            for scan in (True, False):
+            for scanned in (True, False):
                 cfg = config_lib.load(f"{configs_dir}/{name}.yaml", [
-                    *make(depth), "model.dtype=float32", f"model.scan_layers={str(scan).lower()}"])
-                row = {"pattern": name, "depth": depth, "scanned": scan, **measure(cfg)}
-                log(f"{name} depth {depth} {'scanned' if scan else 'unrolled'}: "
+                    *make(depth), "model.dtype=float32",
+                    f"model.scan_layers={str(scanned).lower()}"])
+                row = {"pattern": name, "depth": depth, "scanned": scanned, **measure(cfg)}
+                log(f"{name} depth {depth} {'scanned' if scanned else 'unrolled'}: "
                     f"decode first {row['decode_first_s']:.1f} s, step {row['decode_ms']:.2f} ms"
                     f" ({row['decode_long_ms']:.2f} ms at {LONG_CONTEXT} cached)")
                 rows.append(row)
