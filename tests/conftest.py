@@ -9,6 +9,14 @@ import re
 # and compiling is most of this suite's time. (Scripts the tests start inherit it.)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
                                    "--xla_backend_optimization_level=0")
+# Many tests compile the same tiny programs (in both xdist workers, in the scripts they
+# start, in the full tier after the fast one): jax's persistent cache keeps each compiled
+# program once, keyed by its HLO, flags and versions, so a changed program never hits.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   ".pytest_cache", "jax-programs"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
