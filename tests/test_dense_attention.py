@@ -87,7 +87,10 @@ def test_gqa_window_sink_ragged_offset_positions():
     qp, kp = _positions(B, Tq, S)
     k_valid = _lengths(S, S, S - 6)
     arrays = _arrays(0, B, Tq, S, 4, 2, 48, 32, jnp.float32, sink=True)
-    _compare(arrays, scale=48 ** -0.5, q_positions=qp, k_positions=kp, causal=True, window=5,
+    # window 3: the last key of key blocks 0 and 1 (positions 15, 31) is the oldest key the
+    # first query of q blocks 0 and 1 (positions 17, 33) sees, so skipping one block too many
+    # changes the result; and key block 2 starts at q block 0's last position (causal edge).
+    _compare(arrays, scale=48 ** -0.5, q_positions=qp, k_positions=kp, causal=True, window=3,
              k_valid=k_valid)
 
 
@@ -224,3 +227,22 @@ def test_bad_inputs_are_named(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         da.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason=f"the compiled kernel needs an NVIDIA GPU; backend is "
+                           f"{jax.default_backend()} (the interpreted tests above cover CPU)")
+def test_compiled_kernel_equals_the_reference_on_a_gpu():
+    """Compiled by Triton (interpret=False): GQA, causal, window, sink, ragged rows. float32
+    inputs run TF32 dots on a GPU (10-bit mantissa), hence the tolerance."""
+    B, Tq, S = 2, 40, 77
+    qp, kp = _positions(B, Tq, S)
+    arrays = _arrays(6, B, Tq, S, 8, 2, 64, 32, jnp.float32, sink=True)
+    q, k, v, sink, cts = arrays
+    kw = dict(scale=0.125, q_positions=qp, k_positions=kp, window=9,
+              k_valid=_lengths(S, S, S - 10))
+    want = _read_and_grads(lambda q, k, v, s: da.reference(q, k, v, sink=s, **kw),
+                           (q, k, v, sink), cts)
+    got = _read_and_grads(lambda q, k, v, s: da.attention(q, k, v, sink=s, **BLOCKS, **kw),
+                          (q, k, v, sink), cts)
+    _assert_close(got, want, dict(rtol=1e-2, atol=1e-2))

@@ -15,6 +15,44 @@ inputs) = log(sum over visible j of exp(s_ij) [+ exp(sink_h)]). A query that see
 has no sink gets out = 0 and lse = -inf, with finite gradients. Gradients honour a cotangent on
 lse, so parts read separately merge exactly: lse = logaddexp(lse_1, lse_2), out = sum_p
 exp(lse_p - lse) out_p.
+
+``reference`` is the oracle: plain XLA ops over the whole score array. ``attention`` runs it
+or the fused kernel (``implementation``); the kernel follows Pallas's GPU (Triton)
+conventions, so it compiles for an NVIDIA GPU, and ``interpret=True`` runs it on any backend
+in the Pallas interpreter (how the tests check it on a CPU).
+
+The kernel (flash attention 2's scheme):
+
+- forward, grid (batch, head group, query block): a program's rows are ``block_q`` query
+  positions x ``block_h`` query heads of ONE key head (row t * block_h + h), so GQA/MQA heads
+  share each loaded K/V block and K/V are never repeated per query head. It walks the key
+  blocks ``block_k`` at a time with an online softmax (running max, denominator and
+  unnormalised output, float32) and adds the sink once, in the final normalisation. It
+  writes out and lse only: no score array leaves the program.
+- block skipping: before the call, XLA reduces positions and validity to per-block minima and
+  maxima and marks the (query block, key block) pairs where some key may be visible (a valid
+  key; causal: the block's smallest valid key position <= the query block's largest
+  position; window: its largest valid key position > the query block's smallest - window). Each program loops over the
+  span of marked key blocks only (per-element masks inside still decide). This is exact for
+  any positions; it is tight (the causal / window band) when positions increase along the
+  sequence, as they do for training, prefill and chunked prefill.
+- backward, recomputed from the saved lse (no probabilities kept): delta = rowsum(dO * O) -
+  dlse (the lse cotangent enters only here: dS = P (dP - delta)); a dq kernel on the
+  forward's grid, and a dk/dv kernel on (batch, key head, key block) that loops over the
+  query blocks that may see its keys and over the key head's query heads, block_h at a time,
+  so dk and dv are summed over a GQA group inside the kernel. dsink = -sum P_sink * delta
+  comes from lse in XLA.
+- head dims: Triton tiles are powers of two, so a head dim is read in power-of-two pieces
+  (192 = 128 + 64, 576 = 512 + 64) and dots are summed over pieces; dims must be multiples of
+  16 (``unsupported`` says what a shape breaks). Rows past Tq and keys past S are masked on
+  load, so Tq and S need not be multiples of the blocks.
+
+Block sizes (``DEFAULTS``, not yet tuned on a GPU): block_q = block_k = 64, shrunk to the
+sequence for short reads; block_h = the largest power of two dividing the heads per key head
+with block_q * block_h <= 128 rows (decode and short chunks pack heads instead of positions);
+rows >= 16 because Triton's dot needs 16 in every dim. Dots run in the inputs' dtype with
+float32 accumulation; float32 inputs on a GPU use Triton's default (TF32) precision, the
+interpreter computes them exactly.
 """
 
 from __future__ import annotations
