@@ -146,7 +146,8 @@ def _merged(parts):
 def test_two_key_halves_merged_by_lse_equal_the_whole_read():
     """A layer reads its window and its compressed entries separately and merges them by
     lse: the merged output, lse and gradients (through both parts' lse) equal one read of all
-    keys. Causal, GQA, with positions such that some queries see keys of one half only."""
+    keys. Causal, GQA, with positions such that some queries see keys of one half only; the
+    kernel at its default block sizes (fitted to these short reads)."""
     B, Tq, S = 2, 17, 34
     qp, kp = _positions(B, Tq, S)
     q, k, v, _, cts = _arrays(4, B, Tq, S, 4, 2, 16, 32, jnp.float32, sink=False)
@@ -158,7 +159,7 @@ def test_two_key_halves_merged_by_lse_equal_the_whole_read():
 
     def parts(q, k, v):
         return _merged([da.attention(q, k[:, sl], v[:, sl], k_positions=kp[:, sl],
-                                     interpret=True, **BLOCKS, **kw)
+                                     interpret=True, **kw)  # the default blocks
                         for sl in (slice(None, half), slice(half, None))])
 
     _assert_close(_read_and_grads(parts, (q, k, v), cts),

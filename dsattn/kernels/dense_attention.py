@@ -32,10 +32,11 @@ The kernel (flash attention 2's scheme):
 - block skipping: before the call, XLA reduces positions and validity to per-block minima and
   maxima and marks the (query block, key block) pairs where some key may be visible (a valid
   key; causal: the block's smallest valid key position <= the query block's largest
-  position; window: its largest valid key position > the query block's smallest - window). Each program loops over the
-  span of marked key blocks only (per-element masks inside still decide). This is exact for
-  any positions; it is tight (the causal / window band) when positions increase along the
-  sequence, as they do for training, prefill and chunked prefill.
+  position; window: its largest valid key position > the query block's smallest - window).
+  Each program loops over the span of marked key blocks only (per-element masks inside still
+  decide). This is exact for any positions; it is tight (the causal / window band) when
+  positions increase along the sequence, as they do for training, prefill and chunked
+  prefill.
 - backward, recomputed from the saved lse (no probabilities kept): delta = rowsum(dO * O) -
   dlse (the lse cotangent enters only here: dS = P (dP - delta)); a dq kernel on the
   forward's grid, and a dk/dv kernel on (batch, key head, key block) that loops over the
