@@ -1,6 +1,7 @@
 """The fused selected-entries read (dsattn/kernels/sparse_attention.py) against its jnp
-reference and today's XLA path (attention/core.py's `attend` over gathered picks), in the
-generic Pallas interpreter on CPU; and its lowering for CUDA inside jit + grad.
+reference and today's XLA path (attention/core.py's `attend` over picks gathered by
+attention/reads.py), in the generic Pallas interpreter on CPU; and its lowering for CUDA
+inside jit + grad.
 
 One input set serves every numeric test: 5 queries (block_t=2: not a multiple), 20 picks per
 query over 7 entries (block_k=16: two pick blocks, the second part padding; k above the
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn.attention import core
+from dsattn.attention import core, reads
 from dsattn.kernels import sparse_attention as sa
 
 B, T, H, C, N, K = 2, 5, 3, 24, 7, 20
@@ -170,8 +171,7 @@ def test_merging_with_a_dense_part_by_lse_equals_the_xla_path():
 
     # today's XLA path: core scales by C ** -0.5, so it gets q rescaled to SCALE
     def xla(q, store, sink):
-        vals = sa._gather(store, idx)
-        picked = (idx >= 0) & (idx < N)
+        vals, picked = reads.Entries({"entry": store}).gather("entry", idx)
         out, probs = core.attend(q * (SCALE * C ** 0.5), [(vals, picked), (win, win_mask)],
                                  sink)
         return out, probs[0].sum(axis=2)

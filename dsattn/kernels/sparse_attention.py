@@ -30,14 +30,15 @@ recomputes p = exp(s - lse) from the saved lse, with delta = Σ_d do·out - dlse
 the lse cotangent enters: ds = p · (do·v - delta)), and accumulates dq in registers. The
 store's cotangent needs a scatter-add into rows that many queries share (and one query may
 pick twice). Pallas Triton's ``atomic_add`` would do it in-kernel in float32, but it has no
-bfloat16 form and its interpreter rule loses duplicate ids (it gathers, adds and sets), so
-the CPU tests could not check it. Instead the kernel writes each pick's entry cotangent
+bfloat16 form, and its interpreter rule (jax 0.10) refuses a row vector with a column slice
+and, on array indices, gathers, adds and sets (losing duplicate ids), so the CPU tests could
+not check it. Instead the kernel writes each pick's entry cotangent
 (dK + dV rows, float32, [B, Tc, k, c]) and XLA scatter-adds them into a float32 [B, N, c]
 accumulator (``.at[].add``: correct for duplicates; on a GPU XLA's scatter uses atomics, so
 the summation order, and the last bits, may vary run to run). The trade-off, honestly: those
 per-pick rows are exactly the [B, T, k, c] array the fused path otherwise avoids, so the
 backward runs over query chunks of Tc queries (``bwd_bytes`` bounds one chunk's rows, default
-256 MiB) under a ``lax.scan``: live memory is one chunk's rows plus the accumulator, and the
+512 MiB) under a ``lax.scan``: live memory is one chunk's rows plus the accumulator, and the
 extra traffic is one float32 write and read per pick and channel (about 4x the forward's
 bf16 entry reads). dsink = -Σ_{b,t} exp(sink - lse) · delta is elementwise XLA.
 
@@ -63,7 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 
 # block_t: queries per program; block_k: picks per step (FlashMLA's 64); bwd_bytes: bound
 # on one backward chunk's per-pick cotangent rows
-DEFAULTS = dict(block_t=1, block_k=64, num_warps=4, num_stages=2, bwd_bytes=256 << 20)
+DEFAULTS = dict(block_t=1, block_k=64, num_warps=4, num_stages=2, bwd_bytes=512 << 20)
 
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
@@ -215,8 +216,8 @@ def _fwd_kernel(q_ref, idx_ref, sink_ref, store_ref, *rest, plan, has_sink, has_
         m, l, out = jax.lax.fori_loop(
             0, plan.n_blocks, step, start + (jnp.zeros((heads, o_ref.shape[-1]), acc),))
         seen = l > 0
-        l = jnp.where(seen, l, 1)
-        o_ref[i] = jnp.where(seen[:, None], out / l[:, None], 0).astype(o_ref.dtype)
+        l = jnp.where(seen, l, 1)  # nothing read: out is 0 already, lse -inf
+        o_ref[i] = (out / l[:, None]).astype(o_ref.dtype)
         lse_ref[i] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
 
     jax.lax.fori_loop(0, plan.block_t, query, None)
