@@ -202,6 +202,26 @@ def test_merging_with_a_dense_part_by_lse_equals_the_xla_path():
 
 
 @pytest.mark.full
+def test_bfloat16_inputs_stay_within_their_rounding_of_the_float32_reference():
+    """bfloat16 q, store and cotangents (float32 sink and lse cotangent): the kernel's
+    float32 accumulation (p and ds cast to bfloat16 for their matmuls, as flash attention
+    does) stays within 2% of each output's largest magnitude of the float32 reference."""
+    q, store, idx, sink, ct_out, ct_lse = _inputs(jnp.bfloat16)
+    args = (q, store, idx, sink.astype(jnp.float32), ct_out, ct_lse.astype(jnp.float32))
+    read = functools.partial(sa.attention, scale=SCALE, interpret=True, bwd_bytes=1, **TILES)
+    got = jax.jit(functools.partial(_read_and_vjp, read))(*args)
+    wide = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    want = jax.jit(functools.partial(_read_and_vjp, functools.partial(sa.reference,
+                                                                      scale=SCALE)))(*wide)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w)
+        seen = np.isfinite(w)
+        assert np.array_equal(np.isfinite(g), seen)
+        np.testing.assert_allclose(g[seen], w[seen], rtol=0, atol=0.02 * np.abs(w[seen]).max())
+
+
+@pytest.mark.full
 def test_a_separate_value_equals_the_reference():
     """V != K: value [B, N, dv] (dv=8, padded to 16 in-kernel), no sink; out, lse and the
     gradients of q, the store and the value."""
