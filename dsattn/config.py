@@ -724,7 +724,7 @@ def kernel_misfit(cfg: Config, impl: str) -> str | None:
             return (f"attention.pool_block_size: {a.pool_block_size} must be a power of two "
                     f"for indexer.impl=pallas_gpu")
     indexed = any(s.kind.scans_keys for s in specs)
-    if (indexed and impl == "pallas_gpu" and c.key_format in ("native", "bf16")
+    if (indexed and impl == "pallas_gpu" and not formats.spec(c.key_format).block
             and (ix.head_dim < 16 or not pow2(ix.head_dim))):
         return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
                 f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
