@@ -30,7 +30,7 @@ import jax
 import yaml
 
 
-from dsattn import plan
+from dsattn import datasource, plan
 from dsattn.cache import formats
 from dsattn.migrations import RENAMED, upgrade_saved  # noqa: F401  (upgrade_saved re-exported)
 from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
@@ -225,10 +225,14 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "stdlib", text file/glob, .u16/.bin tokens, or a token dir (data.py)
-    source: str = _key("stdlib", Kind.DATA_ORDER)
+    # "stdlib", recall:..., text file/glob, .u16/.bin tokens, or a token dir: its text parsed
+    # here, once (dsattn.datasource); config.yaml keeps the text
+    source: datasource.DataSource = _key(datasource.STDLIB, Kind.DATA_ORDER)
     val_fraction: float = _key(0.05, Kind.DATA_ORDER)
     max_bytes: int = _key(8_000_000, Kind.DATA_ORDER)  # cap on the corpus read (0: no cap)
+
+    def __post_init__(self):
+        object.__setattr__(self, "source", datasource.parse(self.source))
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,9 @@ class Config:
     mesh: MeshConfig = _section(MeshConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["data"]["source"] = self.data.source.text  # its text, as written
+        return d
 
     def to_yaml(self) -> str:
         d = self.to_dict()
@@ -394,7 +400,7 @@ def _coerce(value, typ, key: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
-    if typ is str:
+    if typ is str or typ is datasource.DataSource:  # data.source: DataConfig parses it
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
@@ -724,7 +730,7 @@ def kernel_misfit(cfg: Config, impl: str) -> str | None:
             return (f"attention.pool_block_size: {a.pool_block_size} must be a power of two "
                     f"for indexer.impl=pallas_gpu")
     indexed = any(s.kind.scans_keys for s in specs)
-    if (indexed and impl == "pallas_gpu" and c.key_format in ("native", "bf16")
+    if (indexed and impl == "pallas_gpu" and not formats.spec(c.key_format).block
             and (ix.head_dim < 16 or not pow2(ix.head_dim))):
         return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
                 f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")

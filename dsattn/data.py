@@ -5,9 +5,8 @@ read as bytes (vocab 256), so every experiment works offline and identically on 
 machine with the same Python. User data is a text file or glob (bytes again), a raw
 little-endian uint16 token file (``.u16``/``.bin``), or a token directory of
 scripts/prepare_data.py (dsattn.tokendir: memory-mapped shards, their tokenizer and split).
-`parse_source` reads a ``data.source`` string into a typed `Source` once (the one reader of
-that string; a recall source's parameters included): the rest of the package passes the
-`Source` or its `RecallSpec` on. Validation is split
+`load_corpus` reads the corpus a config's ``data.source`` names (a `DataSource`, parsed
+when the config loaded: dsattn.datasource), one loader per `SourceKind`. Validation is split
 by file (a stable CRC32 of each file's relative path), or by a contiguous tail when there is
 only one file, so no text ever appears on both sides; a token directory was split by
 document when it was prepared. ``batch_at`` draws the batch of step ``i`` from
@@ -19,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob as _glob
 import os
-import shutil
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -33,10 +30,8 @@ from dsattn import recall as recall_lib
 from dsattn import tokendir
 from dsattn import config as config_lib
 from dsattn.config import DataConfig
+from dsattn.datasource import DataSource, SourceKind
 from dsattn.errors import ConfigError, InputError
-from dsattn.tokenizer import TOKENIZER_FILE
-
-TOKEN_SUFFIXES = (".u16", ".bin")  # raw little-endian uint16 token files
 BYTE_VOCAB = config_lib.ModelConfig.vocab_size  # 256: the default model vocab, bytes
 FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
 _HASH_BUCKETS = 10_000
@@ -203,71 +198,6 @@ def _stdlib_corpus(val_fraction: float, max_bytes: int):
     return _split_byte_files(_stdlib_root(), files, val_fraction, max_bytes, "stdlib")
 
 
-# ----------------------------------------------------------------------------- sources
-@dataclass(frozen=True)
-class Source:
-    """A data.source string, parsed once (`parse_source`): callers pass this on, never the
-    string to parse again."""
-    # "stdlib" | "recall" | "text" (files read as bytes) | "tokens" (.u16/.bin) | "dir", or
-    # "path": a file, glob or directory not looked up (parse_source(..., resolve=False))
-    kind: str
-    text: str  # the data.source string as given
-    # text/tokens: the matched files; dir: the token directory; path: the path, ~ expanded
-    paths: tuple[Path, ...] = ()
-    recall: recall_lib.RecallSpec | None = None  # kind "recall": its checked parameters
-
-    @property
-    def byte_level(self) -> bool:
-        """Whether a token is a UTF-8 byte (every kind but token files and directories)."""
-        if self.kind == "path":
-            raise ValueError(f"data.source {self.text!r} was parsed without resolve")
-        return self.kind not in ("tokens", "dir")
-
-    @property
-    def token_dir(self) -> Path | None:
-        """The token directory the source names, or None (one stat; no glob or metadata)."""
-        if self.kind == "dir" or (self.kind == "path" and self.paths[0].is_dir()):
-            return self.paths[0]
-        return None
-
-
-def parse_source(source: str, *, resolve: bool = True) -> Source:
-    """What `source` names: 'stdlib', a recall spec (``recall[:key=value,...]``, checked:
-    ConfigError), a token directory (one with meta.json), a text file or glob, or .u16/.bin
-    token files. The one reader of a data.source string. Files must exist, unless
-    `resolve=False`: then a path is not looked up (kind "path"; no file system access), for
-    callers that only ask whether a source is stdlib or recall, or its recall parameters."""
-    head, _, tail = source.partition(":")
-    if head == "recall":
-        params = {}
-        for item in filter(None, (s.strip() for s in tail.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ConfigError(f"data.source: recall parameter {item!r} is not key=value "
-                                  f"(e.g. recall:min_dist=8,max_dist=64)")
-            params[key.strip()] = value.strip()
-        return Source("recall", source, recall=recall_lib.make_spec(params))
-    if source == "stdlib":
-        return Source("stdlib", source)
-    path = os.path.expanduser(source)
-    if not resolve:
-        return Source("path", source, (Path(path),))
-    if os.path.isdir(path):
-        if not tokendir.is_token_dir(path):
-            tokendir.read_meta(path)  # raises: a directory without meta.json
-        return Source("dir", source, (Path(path),))
-    matches = sorted(p for p in _glob.glob(path, recursive=True) if os.path.isfile(p))
-    if not matches:
-        raise FileNotFoundError(f"data.source {source!r} matches no file (expected 'stdlib', a "
-                                f"text file or glob, a .u16/.bin file or a token directory)")
-    paths = tuple(Path(p) for p in matches)
-    is_tok = [p.suffix.lower() in TOKEN_SUFFIXES for p in paths]
-    if any(is_tok) and not all(is_tok):
-        raise InputError(f"data.source {source!r} mixes token files "
-                         f"({'/'.join(TOKEN_SUFFIXES)}) with text files")
-    return Source("tokens" if all(is_tok) else "text", source, paths)
-
-
 def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
     """uint16 tokens, memory-mapped when there is one file; the tail is validation."""
     arrays = []
@@ -295,6 +225,7 @@ def _load_token_files(paths: list[Path], data_cfg: DataConfig, vocab_size: int):
 
 
 def _load_text_files(paths: list[Path], data_cfg: DataConfig):
+    source = data_cfg.source.text
     if len(paths) == 1:
         p = paths[0]
         data, _ = _read_joined([p], data_cfg.max_bytes or None)
@@ -307,17 +238,17 @@ def _load_text_files(paths: list[Path], data_cfg: DataConfig):
     root = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
     rel = [p.resolve().relative_to(root).as_posix() for p in paths]
     if sum(p.stat().st_size for p in paths) == 0:
-        raise InputError(f"{data_cfg.source!r}: empty corpus ({len(paths)} files, 0 bytes)")
-    return _split_byte_files(root, rel, data_cfg.val_fraction, data_cfg.max_bytes,
-                             repr(data_cfg.source))
+        raise InputError(f"{source!r}: empty corpus ({len(paths)} files, 0 bytes)")
+    return _split_byte_files(root, rel, data_cfg.val_fraction, data_cfg.max_bytes, repr(source))
 
 
-def _check_dir_vocab(meta: dict, vocab_size: int, source: str) -> None:
-    """Ids up to the tokenizer's vocab may occur: the model must have room for all of them."""
-    if vocab_size < meta["vocab_size"]:
+def _check_dir_vocab(tokens: int, vocab_size: int, source: str) -> None:
+    """Ids up to the tokenizer's vocab (`tokens`) may occur: the model must have room for all
+    of them."""
+    if vocab_size < tokens:
         raise ConfigError(
-            f"data.source {source!r}: its tokenizer has {meta['vocab_size']} tokens, more than "
-            f"model.vocab_size {vocab_size} (set model.vocab_size >= {meta['vocab_size']}, or "
+            f"data.source {source!r}: its tokenizer has {tokens} tokens, more than "
+            f"model.vocab_size {vocab_size} (set model.vocab_size >= {tokens}, or "
             f"leave it at the default {BYTE_VOCAB} to take the tokenizer's)")
 
 
@@ -325,7 +256,7 @@ def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
     """The directory's own train/val split (memory-mapped), each capped by data.max_bytes in
     proportion; its metadata bounds every id, so no scan of the shards."""
     meta, train, val = tokendir.read(path)
-    _check_dir_vocab(meta, vocab_size, data_cfg.source)
+    _check_dir_vocab(meta["vocab_size"], vocab_size, data_cfg.source.text)
     total = len(train) + len(val)
     b_train, b_val = _budgets(data_cfg.max_bytes, data_cfg.val_fraction)
     if b_train is not None:
@@ -340,7 +271,7 @@ def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
 
 @functools.lru_cache(maxsize=4)
 def recall_streams(spec: recall_lib.RecallSpec, val_fraction: float, max_bytes: int):
-    """(train, val, description) of a recall source (dsattn.recall; its `Source.recall`);
+    """(train, val, description) of a recall source (dsattn.recall; its `DataSource.recall`);
     cached: every Trainer of a sweep and every probe set reads the same streams."""
     if spec.format == "mqar":
         train, val, _, _, desc = recall_lib.mqar_streams(spec, val_fraction)
@@ -367,23 +298,8 @@ def _recall_corpus(spec: recall_lib.RecallSpec, data_cfg: DataConfig, vocab_size
 
 
 # ----------------------------------------------------------------------------- public API
-def load_corpus(data_cfg: DataConfig, vocab_size: int, source: Source | None = None) -> Corpus:
-    """Train/val tokens for `data_cfg.source` (or `source`, that string already parsed),
-    checked against the model's vocab."""
-    src = source or parse_source(data_cfg.source)
-    if src.kind == "recall":  # synthetic long-range task (dsattn/recall.py)
-        return _recall_corpus(src.recall, data_cfg, vocab_size)
-    if src.kind in ("tokens", "dir"):  # ids checked per file, or bounded by the metadata
-        load = _load_token_dir if src.kind == "dir" else _load_token_files
-        train, val, desc = load(src.paths[0] if src.kind == "dir" else list(src.paths),
-                                data_cfg, vocab_size)
-        return Corpus(train, val, vocab_size, desc)
-    if src.kind == "stdlib":
-        train, val, desc = _stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes)
-        what = "stdlib corpus"
-    else:
-        train, val, desc = _load_text_files(list(src.paths), data_cfg)
-        what = f"data.source {data_cfg.source!r}"
+def _byte_corpus(train, val, desc: str, what: str, vocab_size: int) -> Corpus:
+    """A byte corpus (stdlib, text), its ids checked against the vocab."""
     if not len(train) or not len(val):
         raise InputError(f"{what}: empty corpus (train {len(train)}, val {len(val)} tokens)")
     _check_vocab(train, vocab_size, what)
@@ -391,39 +307,58 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int, source: Source | None = N
     return Corpus(train, val, vocab_size, desc)
 
 
+def _stdlib_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    return _byte_corpus(*_stdlib_corpus(data_cfg.val_fraction, data_cfg.max_bytes),
+                        "stdlib corpus", vocab_size)
+
+
+def _text_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    return _byte_corpus(*_load_text_files(list(src.files()), data_cfg),
+                        f"data.source {src.text!r}", vocab_size)
+
+
+def _token_files_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    train, val, desc = _load_token_files(list(src.files()), data_cfg, vocab_size)  # ids checked
+    return Corpus(train, val, vocab_size, desc)
+
+
+def _token_dir_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    # ids bounded by the directory's metadata
+    train, val, desc = _load_token_dir(src.paths[0], data_cfg, vocab_size)
+    return Corpus(train, val, vocab_size, desc)
+
+
+def _recall_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    return _recall_corpus(src.recall, data_cfg, vocab_size)  # synthetic (dsattn/recall.py)
+
+
+LOADERS = {  # SourceKind -> (source, data config, vocab size) -> Corpus
+    SourceKind.STDLIB: _stdlib_source,
+    SourceKind.RECALL: _recall_source,
+    SourceKind.TEXT: _text_source,
+    SourceKind.TOKENS: _token_files_source,
+    SourceKind.TOKEN_DIR: _token_dir_source,
+}
+
+
+def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
+    """Train/val tokens for `data_cfg.source`, checked against the model's vocab."""
+    return LOADERS[data_cfg.source.kind](data_cfg.source, data_cfg, vocab_size)
+
+
 def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
     """`cfg` with model.vocab_size set to a token directory's vocab when the config leaves it at
     the default (256, bytes); a smaller explicit vocab_size is refused (ConfigError), a larger
     one kept. Other sources: `cfg` unchanged. Call before a model is built."""
-    path = parse_source(cfg.data.source, resolve=False).token_dir
-    if path is None:
+    src = cfg.data.source
+    if src.vocab_size is None:
         return cfg
-    meta = tokendir.read_meta(path)
-    if cfg.model.vocab_size == BYTE_VOCAB and meta["vocab_size"] != BYTE_VOCAB:
+    if cfg.model.vocab_size == BYTE_VOCAB and src.vocab_size != BYTE_VOCAB:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, vocab_size=meta["vocab_size"]))
+            cfg.model, vocab_size=src.vocab_size))
         config_lib.validate(cfg)  # e.g. a tensor axis must still divide the vocab
-    _check_dir_vocab(meta, cfg.model.vocab_size, cfg.data.source)
+    _check_dir_vocab(src.vocab_size, cfg.model.vocab_size, src.text)
     return cfg
-
-
-def tokenizer_path(source: str) -> Path | None:
-    """The tokenizer file of a token directory source; None for byte-level and token files."""
-    path = parse_source(source, resolve=False).token_dir
-    return None if path is None else path / tokendir.read_meta(path)["tokenizer"]
-
-
-def keep_tokenizer(run_dir, source: str) -> None:
-    """A run on a token directory keeps its tokenizer (generate and eval read it there); a
-    run on bytes keeps none, so a stale copy is removed."""
-    dest = Path(run_dir) / TOKENIZER_FILE
-    src = tokenizer_path(source)
-    if src is None:
-        dest.unlink(missing_ok=True)
-        return
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)  # never a half-copied tokenizer beside the checkpoints
 
 
 def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, *,
@@ -478,6 +413,5 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-__all__ = ["Corpus", "Source", "parse_source", "load_corpus", "with_source_vocab",
-           "keep_tokenizer", "tokenizer_path", "batch_at", "eval_batches", "unigram_entropy",
-           "encode", "decode", "split_files", "is_val_file", "TOKEN_SUFFIXES"]
+__all__ = ["Corpus", "load_corpus", "LOADERS", "with_source_vocab", "batch_at", "eval_batches",
+           "unigram_entropy", "encode", "decode", "split_files", "is_val_file"]

@@ -30,11 +30,6 @@ from dsattn import data, progress
 from dsattn.errors import InputError
 
 
-def is_byte_level(source: str) -> bool:
-    """True unless data.source names token files or a token directory (data.Source)."""
-    return data.parse_source(source).byte_level
-
-
 def token_nll(logits, targets):
     """Next-token cross-entropy per position (nats), computed in at least float32."""
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -110,9 +105,8 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
     t = cfg.train
     n_batches = n_batches or t.eval_batches
     batch_size = batch_size or t.batch_size
-    source = data.parse_source(cfg.data.source)
-    corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size, source)
-    byte_level = source.byte_level
+    corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
+    byte_level = cfg.data.source.byte_level
     check_lengths(corpus, seq_lens)
     bar = progress.Progress(len(seq_lens) * n_batches, desc=f"eval {cfg.name}", unit="batch",
                             every=progress_every, quiet=quiet)
@@ -129,5 +123,5 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
     return rows
 
 
-__all__ = ["evaluate", "check_lengths", "mean_loss", "is_byte_level", "outputs", "forward",
+__all__ = ["evaluate", "check_lengths", "mean_loss", "outputs", "forward",
            "token_nll", "weighted_mean"]

@@ -3,7 +3,7 @@ resolved against it.
 
 `KINDS` is the one behaviour table. Everything that depends on a layer's kind (config
 validation, the cache formats' role shapes, byte accounting, which module a block builds,
-what a layer shares, which decoders may replay) reads a `Kind`'s fields or a `LayerSpec`
+what a layer shares, which decoders may replay) reads a `LayerKind`'s fields or a `LayerSpec`
 from `resolve(cfg)`; no other module compares kind names.
 
 | kind    | family | window | global source     | key              | selector | pool  |
@@ -84,7 +84,7 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Kind:
+class LayerKind:
     name: str
     family: Family
     source: Source
@@ -119,29 +119,29 @@ class Kind:
         return self.scans_keys and (self.shares or self.source is Source.BORROWED)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("mha", Family.MHA, Source.TOKENS, Selector.ALL),
-    Kind("mla", Family.MLA, Source.TOKENS, Selector.ALL),
-    Kind("dsa", Family.DSA, Source.TOKENS, Selector.INDEXER, Key.TOKEN),
-    Kind("swa", Family.V4, Source.NONE, Selector.NONE, window=True, replayable=True),
-    Kind("hca", Family.V4, Source.COMPRESSOR, Selector.ALL, window=True, pos_bias=True,
-         default_ratio="hca_ratio"),
-    Kind("csa", Family.V4, Source.COMPRESSOR, Selector.INDEXER, Key.COMPRESSOR, window=True,
-         overlap=True, pos_bias=True, default_ratio="csa_ratio"),
-    Kind("full", Family.V4, Source.COMPRESSOR, Selector.INDEXER, Key.ENTRY, window=True,
-         builds_pool=True, shares=True, replayable=True, default_ratio="csa2_ratio"),
-    Kind("reindex", Family.V4, Source.BORROWED, Selector.INDEXER, window=True,
-         reads_pool=True, replayable=True, default_ratio="csa2_ratio"),
-    Kind("reuse", Family.V4, Source.BORROWED, Selector.REUSE, window=True, replayable=True,
-         default_ratio="csa2_ratio"),
+KINDS: dict[str, LayerKind] = {k.name: k for k in (
+    LayerKind("mha", Family.MHA, Source.TOKENS, Selector.ALL),
+    LayerKind("mla", Family.MLA, Source.TOKENS, Selector.ALL),
+    LayerKind("dsa", Family.DSA, Source.TOKENS, Selector.INDEXER, Key.TOKEN),
+    LayerKind("swa", Family.V4, Source.NONE, Selector.NONE, window=True, replayable=True),
+    LayerKind("hca", Family.V4, Source.COMPRESSOR, Selector.ALL, window=True, pos_bias=True,
+              default_ratio="hca_ratio"),
+    LayerKind("csa", Family.V4, Source.COMPRESSOR, Selector.INDEXER, Key.COMPRESSOR, window=True,
+              overlap=True, pos_bias=True, default_ratio="csa_ratio"),
+    LayerKind("full", Family.V4, Source.COMPRESSOR, Selector.INDEXER, Key.ENTRY, window=True,
+              builds_pool=True, shares=True, replayable=True, default_ratio="csa2_ratio"),
+    LayerKind("reindex", Family.V4, Source.BORROWED, Selector.INDEXER, window=True,
+              reads_pool=True, replayable=True, default_ratio="csa2_ratio"),
+    LayerKind("reuse", Family.V4, Source.BORROWED, Selector.REUSE, window=True, replayable=True,
+              default_ratio="csa2_ratio"),
 )}
 ALIASES = {"gqa": "mha", "mqa": "mha", "csa2": "full"}
 # With attention.sharing=false every borrowing layer computes its own entries.
 UNSHARED = {name: "full" for name, k in KINDS.items() if k.source is Source.BORROWED}
 
 
-def kind(name: str) -> Kind:
-    """The Kind called `name` (or an alias of it); ConfigError naming the allowed ones."""
+def kind(name: str) -> LayerKind:
+    """The LayerKind called `name` (or an alias of it); ConfigError naming the allowed ones."""
     k = KINDS.get(ALIASES.get(name, name))
     if k is None:
         raise ConfigError(f"attention.layers: unknown layer kind {name!r}; allowed: "
@@ -164,7 +164,7 @@ class Vector:
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
-    kind: Kind
+    kind: LayerKind
     ratio: int  # tokens per compressed entry (0: not compressed)
     kv_source: int | None  # layer whose global cache it reads (None: none)
     select_source: int | None  # layer whose selection it reuses (reuse only)
@@ -233,7 +233,7 @@ def expand(cfg) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return tuple(names), tuple(ratios)
 
 
-def _vectors(cfg, k: Kind):
+def _vectors(cfg, k: LayerKind):
     """(local, entry, own key) vectors of a layer of kind `k`."""
     a, ix = cfg.attention, cfg.indexer
     local = Vector(Role.LOCAL, a.entry_dim, a.rope_dim) if k.window else None

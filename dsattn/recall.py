@@ -9,9 +9,10 @@ independent of everything else in the stream, so a model that cannot see back ``
 positions scores chance (0.1 per answer byte) and a lookup scores 1.0.
 
 ``data.source`` selects it, parameters in the string (no config fields):
-``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``; dsattn.data's
-`parse_source` reads the string (the one reader of data.source) and `make_spec` here checks
-the parameters into a `RecallSpec`, which every other function takes.
+``recall`` or ``recall:min_dist=32,max_dist=128,density=0.3,corpus=stdlib``;
+dsattn.datasource reads the string when the config loads (the one reader of data.source)
+and `make_spec` here checks the parameters into a `RecallSpec` (its `DataSource.recall`),
+which every other function takes.
 Scoring uses probes: a validation window with one pair at an exact distance whose query ends
 the window; accuracy is over the probe's answer bytes (teacher-forced argmax).
 
@@ -85,7 +86,7 @@ class RecallSpec:
 
 def make_spec(params: dict[str, str]) -> RecallSpec:
     """The RecallSpec of a recall source's parameters ({key: value text}, as
-    dsattn.data.parse_source reads them from ``recall:key=value,...``), checked; errors name
+    dsattn.datasource.parse reads them from ``recall:key=value,...``), checked; errors name
     data.source and the key."""
     fields = {f.name: f.type for f in dataclasses.fields(RecallSpec)}
     kwargs = {}
@@ -113,7 +114,7 @@ def make_spec(params: dict[str, str]) -> RecallSpec:
 
 def source_text(spec: RecallSpec) -> str:
     """The data.source string of `spec` (its parameters that differ from the defaults):
-    dsattn.data.parse_source reads it back to an equal spec."""
+    dsattn.datasource.parse reads it back to an equal spec."""
     default = RecallSpec()
     params = [f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(RecallSpec)
               if getattr(spec, f.name) != getattr(default, f.name)]

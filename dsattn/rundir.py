@@ -11,14 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import time
 import warnings
 from pathlib import Path
 
-from dsattn import checkpoint, data, runlog, tblog
+from dsattn import checkpoint, runlog, tblog
 from dsattn.config import Config, Kind, keys_of, with_values
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked
+from dsattn.tokenizer import TOKENIZER_FILE
 from dsattn.trainstep import make_schedule
+
+
+def keep_tokenizer(run_dir, tokenizer: Path | None) -> None:
+    """A run keeps the tokenizer file of its token directory (generate and eval read it
+    there; data.source's `DataSource.tokenizer`); a run on bytes (None) keeps none, so a
+    stale copy is removed."""
+    dest = Path(run_dir) / TOKENIZER_FILE
+    if tokenizer is None:
+        dest.unlink(missing_ok=True)
+        return
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.copyfile(tokenizer, tmp)
+    os.replace(tmp, dest)  # never a half-copied tokenizer beside the checkpoints
 
 
 class RunDir:
@@ -103,7 +119,7 @@ class RunDir:
             self.log({"step": step, "time": time.time(), "exact_resume": False,
                       "changed": changed})
         checkpoint.save_config(self.path, self.cfg)
-        data.keep_tokenizer(self.path, self.cfg.data.source)
+        keep_tokenizer(self.path, self.cfg.data.source.tokenizer)
 
     # -- while a loop runs ----------------------------------------------------------------
     def check_not_overtaken(self):

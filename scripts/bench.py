@@ -249,10 +249,12 @@ def main(argv=None) -> dict:
     if args.generate:
         return generate_measures(args)
     if args.seeds:
+        from dsattn import ablate
         from dsattn.bench import seeds
 
-        rows = seeds.measure(args.sweep, [r for r in args.rows.split(",") if r], args.seeds,
-                             args.seed_steps, log=log)
+        sweep = ablate.load(args.sweep, [f"train.steps={args.seed_steps}", *seeds.SETTINGS])
+        rows = seeds.measure(sweep.seed_configs([r for r in args.rows.split(",") if r],
+                                                args.seeds), log=log)
         (Path(args.out) / "seeds.json").write_text(json.dumps(rows, indent=1))
         (Path(args.out) / "seeds.txt").write_text(seeds.table(rows) + "\n")
         print(seeds.table(rows))

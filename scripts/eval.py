@@ -45,19 +45,20 @@ def parser():
     return ap
 
 
-def check_tokenizer(run_dir, source: str) -> None:
+def check_tokenizer(run_dir, source) -> None:
     """A run that keeps a tokenizer (trained on a token directory) is measured only on ids of
-    that tokenizer: bytes or another tokenizer's ids would give a meaningless loss."""
-    from dsattn import data, tokenizer
+    that tokenizer: bytes or another tokenizer's ids would give a meaningless loss. `source`:
+    the config's data.source (a DataSource)."""
+    from dsattn import tokenizer
     from dsattn.errors import InputError
 
     run_tok = Path(run_dir) / tokenizer.TOKENIZER_FILE
     if not run_tok.exists():
         return  # byte-level runs: data.load_corpus checks the vocab
-    data_tok = data.tokenizer_path(source)
+    data_tok = source.tokenizer
     if data_tok is None or data_tok.read_bytes() != run_tok.read_bytes():
         raise InputError(f"{run_dir} was trained on tokens of its {tokenizer.TOKENIZER_FILE}; "
-                         f"{source!r} is not a token directory prepared with that tokenizer")
+                         f"{source.text!r} is not a token directory prepared with that tokenizer")
 
 
 def warn_overlap(rows, split_tokens: int) -> None:
@@ -97,7 +98,7 @@ def main(argv=None):
         print(f"{r['seq_len']:>8} {r['tokens']:>9} {r['nats_per_token']:>11.4f} {bpb:>10}")
     if args.json:
         args.json.write_text(json.dumps({"run_dir": str(args.run_dir), "step": step,
-                                         "data": cfg.data.source, "rows": rows}, indent=1))
+                                         "data": cfg.data.source.text, "rows": rows}, indent=1))
     return rows
 
 

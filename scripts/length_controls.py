@@ -37,7 +37,7 @@ def probes_at(cfg, times: int, distances, per_distance: int, probe_len: int):
 
     from dsattn import data, recall
 
-    spec = data.parse_source(cfg.data.source, resolve=False).recall
+    spec = cfg.data.source.recall
     background = data.recall_streams(spec, cfg.data.val_fraction, cfg.data.max_bytes)[1]
     prefix = (times - 1) * probe_len
     facts = recall.probes(distances, per_distance, probe_len, spec, background, prefix=prefix)

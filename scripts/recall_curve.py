@@ -63,9 +63,9 @@ def main(argv=None):
             raise SystemExit(f"--row: {args.row!r} is not a row of {args.config}; rows: "
                              f"{', '.join(rows)}")
         cfg = sweep.config(rows[args.row], args.seed)
-    spec = data.parse_source(cfg.data.source, resolve=False).recall
+    spec = cfg.data.source.recall
     if spec is None:
-        raise SystemExit(f"data.source {cfg.data.source!r} is not a recall source")
+        raise SystemExit(f"data.source {cfg.data.source.text!r} is not a recall source")
     probe_len = args.probe_len or cfg.train.seq_len
     dists = args.distances or [d for d in (4, 8, 16, 32, 48, 64, 80, 96, 112, 126)
                                if d <= probe_len - 2]

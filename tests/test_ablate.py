@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from dsattn import ablate, data
+from dsattn import ablate
 from dsattn import config as config_lib
 from dsattn.errors import ConfigError
 from tests.helpers import ROOT, run_script
@@ -261,7 +261,7 @@ def test_shipped_ratios_sweep_has_its_controls():
     cfgs = {r.name: sweep.config(r, 0) for r in sweep.rows}
     assert len(sweep.seeds) >= 3 and len(cfgs) >= 5
     (source,) = {c.data.source for c in cfgs.values()}
-    assert data.parse_source(source).recall.format == "mqar"
+    assert source.recall.format == "mqar"
     full, window = cfgs["full"], cfgs["window"]
     assert set(full.attention.layers) == set(window.attention.layers) == {"swa"}
     assert full.attention.window >= full.train.seq_len

@@ -112,6 +112,7 @@ def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
     another, with each seed's tokens/s from its run's records; an unknown row is named."""
     import yaml
 
+    from dsattn import ablate
     from dsattn.bench import seeds
     from tests.test_ablate import MHA, TOY
 
@@ -119,12 +120,13 @@ def test_seed_benchmark_trains_each_row_vmapped_and_alone(tmp_path):
     path.write_text(yaml.safe_dump({"base": MHA, "overrides": TOY, "decode_context": 0,
                                     "rows": [{"name": "a", "overrides": []},
                                              {"name": "b", "overrides": []}]}))
-    (row,) = seeds.measure(path, ["b"], seeds=2, steps=2, log=lambda _: None)
+    sweep = ablate.load(path, ["train.steps=2", *seeds.SETTINGS])
+    (row,) = seeds.measure(sweep.seed_configs(["b"], 2), log=lambda _: None)
     assert (row["row"], row["seeds"], row["steps"], row["tokens_per_step"]) == ("b", 2, 2, 96)
     assert row["alone_tokens_per_s"] > 0 and row["vmapped_tokens_per_s"] > 0
     assert row["alone_wall_s"] > 0 and row["vmapped_wall_s"] > 0
     with pytest.raises(ValueError, match=r"no rows \['c'\]"):
-        seeds.measure(path, ["c"], seeds=2, steps=2)
+        sweep.seed_configs(["c"], 2)
 
 
 @pytest.mark.full  # a benchmark run: the full tier

@@ -1,16 +1,20 @@
 """Tests for dsattn.data: corpora, by-file splits, caps, stateless batches, entropy, codec."""
 
 import math
+import re
 import sysconfig
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
+import yaml
 
-from dsattn import data
+from dsattn import config, data, recall, tokendir
 from dsattn.config import DataConfig
-from dsattn.errors import InputError
+from dsattn.datasource import SourceKind
+from dsattn.errors import ConfigError, InputError
 
 SMALL = 200_000  # stdlib cap used by the tests: keeps them fast
 
@@ -178,6 +182,86 @@ def test_missing_source_and_empty_corpus(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
         data.load_corpus(DataConfig(source=str(empty)), 256)
+
+
+# ----------------------------------------------------------------------------- data.source
+def _spellings(tmp_path):
+    """{data.source text: (kind, files, recall parameters)} for every form the text takes,
+    over files written here (HOME set to tmp_path, so ~ names it)."""
+    (tmp_path / "a.txt").write_text("alpha\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("beta\n")
+    for name in ("t.u16", "T.BIN"):
+        np.arange(8, dtype="<u2").tofile(tmp_path / name)
+    vocab = {f"w{i}": i for i in range(299)} | {"<|endoftext|>": 299}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(
+        str(tmp_path / "tokenizer.json"))
+    with tokendir.Writer(tmp_path / "tok", vocab_size=300, eos_id=299) as w:
+        w.add("train", [1, 2, 3])
+        w.add("val", [4, 5])
+        w.commit(tmp_path / "tokenizer.json")
+    K, t = SourceKind, tmp_path
+    return {
+        "stdlib": (K.STDLIB, (), None),
+        "recall": (K.RECALL, (), {}),
+        "recall:": (K.RECALL, (), {}),
+        "recall:min_dist=8,max_dist=64": (K.RECALL, (), {"min_dist": 8, "max_dist": 64}),
+        "recall: min_dist = 8 , corpus=stdlib,": (K.RECALL, (), {"min_dist": 8,
+                                                                  "corpus": "stdlib"}),
+        f"{t}/a.txt": (K.TEXT, (t / "a.txt",), None),
+        "~/a.txt": (K.TEXT, (t / "a.txt",), None),
+        f"{t}/**/*.txt": (K.TEXT, (t / "a.txt", t / "sub" / "b.txt"), None),
+        f"{t}/t.u16": (K.TOKENS, (t / "t.u16",), None),
+        f"{t}/*.[uB]*": (K.TOKENS, (t / "T.BIN", t / "t.u16"), None),  # suffixes any case
+        f"{t}/tok": (K.TOKEN_DIR, (t / "tok",), None),
+        "~/tok": (K.TOKEN_DIR, (t / "tok",), None),
+        f"{t}/later.txt": (K.TEXT, (), None),  # nothing there yet: looked up when read
+        f"{t}/later.u16": (K.TOKENS, (), None),
+    }
+
+
+def test_every_data_source_spelling_parses_to_its_meaning(tmp_path, monkeypatch):
+    """data.source is parsed once, when a config is built, whichever way it is given (a config
+    file, a command-line override, DataConfig): each form names its kind, its files (sorted,
+    ~ expanded) and a recall source's parameters; config.yaml keeps the text as written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for text, (kind, files, params) in _spellings(tmp_path).items():
+        given = [DataConfig(source=text).source,
+                 config.loads(yaml.safe_dump({"data": {"source": text}})).data.source]
+        # an override's value is YAML: "recall:" or "recall: k=v" there is a mapping (refused)
+        overridable = not re.search(r":( |$)", text)
+        if overridable:
+            given.append(config.loads("", [f"data.source={text}"]).data.source)
+        for src in given:
+            assert (src.kind, src.paths, str(src)) == (kind, files, text), text
+            assert src.byte_level == (kind not in (SourceKind.TOKENS, SourceKind.TOKEN_DIR))
+            want = None if params is None else recall.RecallSpec(**params)
+            assert src.recall == want, text
+        cfg = config.loads(yaml.safe_dump({"data": {"source": text}}))
+        assert yaml.safe_load(cfg.to_yaml())["data"]["source"] == text
+        assert config.loads(cfg.to_yaml()) == cfg
+    tok = DataConfig(source=f"{tmp_path}/tok").source
+    assert (tok.tokenizer, tok.vocab_size) == (tmp_path / "tok" / "tokenizer.json", 300)
+    assert DataConfig(source="stdlib").source.tokenizer is None
+    assert set(data.LOADERS) == set(SourceKind)  # every kind has its loader
+
+
+def test_bad_data_sources_are_refused_naming_it(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha\n")
+    np.arange(8, dtype="<u2").tofile(tmp_path / "t.u16")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match=r"data.source: recall parameter 'min_dist' is not "
+                                          r"key=value"):
+        config.loads("", ["data.source=recall:min_dist"])
+    with pytest.raises(ConfigError, match=r"data.source: expected a string, got 5"):
+        config.loads("", ["data.source=5"])
+    with pytest.raises(InputError, match=r"data.source .*\*' mixes token files"):
+        DataConfig(source=str(tmp_path / "*"))
+    with pytest.raises(InputError, match=r"plain is a directory without meta.json"):
+        DataConfig(source=str(tmp_path / "plain"))
+    ghost = DataConfig(source=str(tmp_path / "gone" / "*.txt"))  # loads; reading it fails
+    with pytest.raises(FileNotFoundError, match=r"data.source .*gone.*matches no file"):
+        data.load_corpus(ghost, 256)
 
 
 # ----------------------------------------------------------------------------- entropy, codec

@@ -117,3 +117,15 @@ def test_the_design_module_map_names_every_module():
     missing, stale = sorted(files - named), sorted(named - files)
     assert not missing, f"README.md's Layout has no line for: {', '.join(missing)}"
     assert not stale, f"README.md's Layout names missing files: {', '.join(stale)}"
+
+
+def test_bench_does_not_import_ablate():
+    """Layering: the benchmarks (dsattn.bench) sit below the ablation sweeps (dsattn.ablate,
+    which may use them), so no bench module imports an ablate one, even deferred."""
+    graph = import_graph()
+    bench = sorted(m for m in graph if m == "dsattn.bench" or m.startswith("dsattn.bench."))
+    assert "dsattn.bench.seeds" in bench  # the graph sees the bench package
+    upward = {m: sorted(t for t in graph[m] if t == "dsattn.ablate"
+                        or t.startswith("dsattn.ablate.")) for m in bench}
+    upward = {m: ts for m, ts in upward.items() if ts}
+    assert not upward, f"bench modules import ablate: {upward}"

@@ -18,6 +18,7 @@ import tokenizers
 
 from dsattn import cli, config, data
 from dsattn.config import DataConfig
+from dsattn.datasource import SourceKind
 from dsattn.errors import DsattnError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,8 +232,9 @@ def test_token_directory_corpus_is_the_shards(prepared):
     big = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}",
                                                         "model.vocab_size=1024"])
     assert data.with_source_vocab(big).model.vocab_size == 1024  # room to spare is kept
-    assert data.parse_source(str(out)).kind == "dir"
-    assert not data.parse_source(str(out)).byte_level
+    src = config.DataConfig(source=str(out)).source
+    assert src.kind is SourceKind.TOKEN_DIR and not src.byte_level
+    assert src.tokenizer.read_bytes() == (out / meta["tokenizer"]).read_bytes()
 
 
 def test_token_directory_checks(prepared, tmp_path):

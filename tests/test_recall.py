@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import data, recall, recall_eval
+from dsattn import data, datasource, recall, recall_eval
+from dsattn.datasource import SourceKind
 from dsattn.config import DataConfig
 from dsattn.errors import ConfigError
 from dsattn.model import Transformer
@@ -39,29 +40,29 @@ def test_stream_distances_keys_and_values():
 
 
 def test_parse_source():
-    """data.parse_source is the one reader of data.source: a recall source's parameters come
-    back checked in Source.recall; recall.source_text writes a spec back as a source."""
-    assert data.parse_source("recall").recall == recall.RecallSpec()
-    src = data.parse_source("recall:min_dist=8,max_dist=64,density=0.2,corpus=stdlib")
+    """datasource.parse is the one reader of data.source: a recall source's parameters come
+    back checked in DataSource.recall; recall.source_text writes a spec back as a source."""
+    assert datasource.parse("recall").recall == recall.RecallSpec()
+    src = datasource.parse("recall:min_dist=8,max_dist=64,density=0.2,corpus=stdlib")
     s = src.recall
-    assert src.kind == "recall" and src.byte_level
+    assert src.kind is SourceKind.RECALL and src.byte_level
     assert (s.min_dist, s.max_dist, s.density, s.corpus) == (8, 64, 0.2, "stdlib")
-    assert data.parse_source(recall.source_text(s)).recall == s
+    assert datasource.parse(recall.source_text(s)).recall == s
     assert recall.source_text(recall.RecallSpec()) == "recall"
-    assert data.parse_source("stdlib").recall is None
-    # without resolve, a path is not looked up (it need not exist) and is no recall source
-    ghost = data.parse_source("no/such/dir/*.txt", resolve=False)
-    assert ghost.kind == "path" and ghost.recall is None and ghost.token_dir is None
-    assert data.parse_source("recall:other_weight=0.5", resolve=False).recall.other_weight == 0.5
+    assert datasource.parse("stdlib").recall is None
+    # a path that matches nothing yet parses (its files are looked up when read): no recall
+    ghost = datasource.parse("no/such/dir/*.txt")
+    assert ghost.kind is SourceKind.TEXT and ghost.recall is None and ghost.tokenizer is None
+    assert datasource.parse("recall:other_weight=0.5").recall.other_weight == 0.5
     with pytest.raises(ConfigError, match=r"data.source: recall parameter 'min_dist' is not "
                                           r"key=value"):
-        data.parse_source("recall:min_dist")
+        datasource.parse("recall:min_dist")
     with pytest.raises(ConfigError, match=r"data.source.*'mindist'"):
-        data.parse_source("recall:mindist=8")
+        datasource.parse("recall:mindist=8")
     with pytest.raises(ConfigError, match="data.source.*min_dist <= max_dist"):
-        data.parse_source("recall:min_dist=64,max_dist=8")
+        datasource.parse("recall:min_dist=64,max_dist=8")
     with pytest.raises(ConfigError, match="max_dist='x'"):
-        data.parse_source("recall:max_dist=x")
+        datasource.parse("recall:max_dist=x")
 
 
 def test_probes_place_one_pair_at_each_distance():
@@ -119,7 +120,7 @@ MQAR = "recall:format=mqar,min_dist=2,max_dist=62,block=64,pairs=8,keys=16,value
 
 
 def test_mqar_blocks_keys_distances_and_weights():
-    spec = data.parse_source(MQAR).recall
+    spec = datasource.parse(MQAR).recall
     tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(0))
     assert len(tokens) == 64 and len(facts) == 8
     d = queries - facts
@@ -141,13 +142,13 @@ def test_mqar_blocks_keys_distances_and_weights():
             f = np.flatnonzero(row[:t] == row[t])
             assert len(f) == 1 and row[f[0] + 1] == tgt[t]
     with pytest.raises(ConfigError, match="max_dist"):
-        data.parse_source("recall:format=mqar,max_dist=200")
+        datasource.parse("recall:format=mqar,max_dist=200")
     with pytest.raises(ConfigError, match="format"):
-        data.parse_source("recall:format=other")
+        datasource.parse("recall:format=other")
 
 
 def test_mqar_probes_and_weighted_loss():
-    spec = data.parse_source(MQAR).recall
+    spec = datasource.parse(MQAR).recall
     p = recall.probes([2, 16, 62], 4, 64, spec)
     for row, d, ans in zip(p.tokens, p.distance, p.answer_pos):
         assert list(ans) == [63] and row[62] == row[62 - d] and row[63] == row[63 - d]
@@ -179,7 +180,7 @@ def test_mqar_probes_and_weighted_loss():
 
 def test_mqar_joint_and_repeat():
     # joint=1: a fact is one token J = JOINT0 + key * values + value; the query `key value`
-    spec = data.parse_source("recall:format=mqar,joint=1,block=64,pairs=8,keys=8,values=16,"
+    spec = datasource.parse("recall:format=mqar,joint=1,block=64,pairs=8,keys=8,values=16,"
                              "min_dist=2,max_dist=62,length=6400").recall
     tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(1))
     j = tokens[facts] - recall.MQAR_JOINT0
@@ -188,7 +189,7 @@ def test_mqar_joint_and_repeat():
     assert np.flatnonzero(answer).tolist() == sorted((queries + 1).tolist())
     # repeat=W: noise units come as `a b a b`, the repeat's b (the token before its predicting
     # position) weighs W; answers still weigh 1
-    spec = data.parse_source(MQAR + ",repeat=0.5").recall
+    spec = datasource.parse(MQAR + ",repeat=0.5").recall
     tokens, answer, facts, queries = recall.mqar_block(spec, np.random.default_rng(2))
     rep = np.flatnonzero(answer == 0.5)
     assert len(rep) and (rep % 2 == 1).all()
@@ -214,14 +215,14 @@ def test_mqar_warm_steps_draw_only_near_facts_first():
     assert late.max() > 8 and late.max() <= 62
     assert distances(c.eval_batches(1, 8, 64)[0]).max() > 8
     with pytest.raises(ConfigError, match="warm_dist"):
-        data.parse_source(MQAR + ",warm_steps=5,warm_dist=100")
+        datasource.parse(MQAR + ",warm_steps=5,warm_dist=100")
 
 
 def test_recall_through_the_cache_equals_the_forward_in_float64():
     """Prefill up to the answer and teacher-forced decode read the probes as the forward does
     (decode == forward), so per-token predictions agree; both recall kinds and formats."""
     for source, dists in ((MQAR, [2, 30, 62]), ("recall:min_dist=8,max_dist=40", [8, 40])):
-        spec = data.parse_source(source).recall
+        spec = datasource.parse(source).recall
         p = recall.probes(dists, 2, 64, spec)
         model = tiny_model("v4", "model.n_layers=2", "attention.layers=swa, csa")
         via_cache = recall_eval.cache_predictions(model, p, batch=4)

@@ -466,3 +466,19 @@ def test_block_sizes_and_remat_may_change_on_resume(tmp_path):
     with pytest.raises(checkpoint.CheckpointMismatch, match="attention.top_k"):
         checkpoint.check_compatible(tmp_path, preset(
             "v4", "model.n_layers=2", "attention.layers=swa, csa", "attention.top_k=3"))
+
+
+def test_a_run_keeps_the_tokenizer_its_data_source_names(tmp_path):
+    """The run directory copies the tokenizer file it is handed (a token directory's:
+    DataSource.tokenizer) and drops a stale copy when the run is on bytes (None)."""
+    from dsattn import rundir
+
+    tok = tmp_path / "their_tokenizer.json"
+    tok.write_text('{"model": "bpe"}')
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.keep_tokenizer(run, tok)
+    assert (run / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert sorted(p.name for p in run.iterdir()) == ["tokenizer.json"]  # no temporary left
+    rundir.keep_tokenizer(run, None)
+    assert not (run / "tokenizer.json").exists()

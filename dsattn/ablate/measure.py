@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dsattn import data, kvbytes, recall, runlog
+from dsattn.cache import formats
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.reach import window_reach
 from dsattn.ablate.spec import Row, Sweep, recall_spec
@@ -23,7 +24,7 @@ CONTEXTS = {"8k": 8192, "128k": 131072}
 def cache_formats(cfg) -> str:
     """The deployed cache formats by role, "native" spelled with the dtype it stores."""
     c = cfg.cache
-    return " ".join(f"{role}={fmt if fmt != 'native' else 'native(' + cfg.model.dtype + ')'}"
+    return " ".join(f"{role}={fmt}" + (f"({cfg.model.dtype})" if formats.spec(fmt).exact else "")
                     for role, fmt in (("main", c.main_format), ("key", c.key_format),
                                       ("local", c.local_format)))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from dsattn import data, recall
+from dsattn import recall
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.sweep import Row, Sweep  # noqa: F401  (re-exported: the sweep's types)
 from dsattn.errors import ConfigError
@@ -152,10 +152,8 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
 
 
 def recall_spec(cfg) -> recall.RecallSpec | None:
-    """The recall parameters of a row's data.source (None: not a recall source), read by
-    data.parse_source without looking up files (a sweep on a file source is checked when
-    its runs load it)."""
-    return data.parse_source(cfg.data.source, resolve=False).recall
+    """The recall parameters of a row's data.source (None: not a recall source)."""
+    return cfg.data.source.recall
 
 
 def _validate(sweep: Sweep) -> Sweep:

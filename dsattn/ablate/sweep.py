@@ -37,3 +37,13 @@ class Sweep:
         return config_lib.load(self.base, [*self.overrides, *row.overrides,
                                            f"train.seed={seed}"])
 
+    def seed_configs(self, names, seeds: int) -> dict[str, list]:
+        """{row name: its configs for seeds 0..seeds-1} of the rows `names` (None: every row),
+        in the sweep's order; ValueError naming the rows it does not have."""
+        missing = set(names or ()) - {r.name for r in self.rows}
+        if missing:
+            raise ValueError(f"{self.name}: no rows {sorted(missing)}; rows: "
+                             f"{[r.name for r in self.rows]}")
+        return {r.name: [self.config(r, s) for s in range(seeds)] for r in self.rows
+                if names is None or r.name in names}
+

@@ -29,6 +29,8 @@ import math
 import statistics
 import time
 
+from dsattn.cache import formats
+
 INSTALL_HINT = "pip install -e '.[peer]'  (torch and transformers>=5.24 with DeepseekV4)"
 
 # our layer kind -> transformers' layer type
@@ -161,7 +163,8 @@ def _notes(cfg, hf, model) -> list[str]:
         "cache: float32 tensors grown by torch.cat (sliding window W-1 tokens, compressed "
         "entries appended); ours is a ring buffer plus a paged cache"
         + (f" in formats local={c.local_format} main={c.main_format} key={c.key_format}"
-           if (c.local_format, c.main_format, c.key_format) != ("native",) * 3 else ""),
+           if not all(formats.spec(f).exact for f in (c.local_format, c.main_format,
+                                                       c.key_format)) else ""),
         "weights: random init (transformers' initializer, std "
         f"{hf.initializer_range}); not our parameters, so logits differ",
     ]

@@ -1,7 +1,8 @@
 """Seeds trained as one vmapped model (dsattn.train.SeedGroup) against the same seeds trained
 one after another: each seed's training tokens/s (the Trainer's own records: step time only,
 no compile, validation or checkpoint time) and the wall time of the whole set, compile
-included, for rows of a sweep file (dsattn.ablate), in one run."""
+included, for named rows of configs (a sweep's: dsattn.ablate's Sweep.seed_configs, with
+SETTINGS among its overrides), in one run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsattn import ablate, runlog
+from dsattn import runlog
 from dsattn.train import SeedGroup, Trainer
 
 # A record every 10 steps (tokens/s is the median over records), validation only at the end.
@@ -23,17 +24,12 @@ def _rate(run_dir: Path) -> float:
                             if "tokens_per_s" in r]))
 
 
-def measure(sweep_file, rows=None, seeds: int = 4, steps: int = 100, log=print) -> list[dict]:
-    """One line per row: per-seed tokens/s and wall seconds, sequential vs vmapped."""
-    sweep = ablate.load(sweep_file, [f"train.steps={steps}", *SETTINGS])
-    chosen = [r for r in sweep.rows if rows is None or r.name in rows]
-    if rows is not None and len(chosen) != len(rows):
-        missing = set(rows) - {r.name for r in chosen}
-        raise ValueError(f"{sweep_file}: no rows {sorted(missing)}; rows: "
-                         f"{[r.name for r in sweep.rows]}")
+def measure(rows: dict[str, list], log=print) -> list[dict]:
+    """One line per row of `rows` ({name: its configs, one per seed}): per-seed tokens/s and
+    wall seconds, sequential vs vmapped."""
     out = []
-    for row in chosen:
-        cfgs = [sweep.config(row, seed) for seed in range(seeds)]
+    for name, cfgs in rows.items():
+        seeds = len(cfgs)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             for i, cfg in enumerate(cfgs):
@@ -45,7 +41,7 @@ def measure(sweep_file, rows=None, seeds: int = 4, steps: int = 100, log=print) 
             group_s = time.perf_counter() - t0
             alone = float(np.mean([_rate(Path(tmp) / f"alone{i}") for i in range(seeds)]))
             together = float(np.mean([_rate(Path(tmp) / f"group{i}") for i in range(seeds)]))
-        out.append({"row": row.name, "seeds": seeds, "steps": steps,
+        out.append({"row": name, "seeds": seeds, "steps": cfgs[0].train.steps,
                     "tokens_per_step": cfgs[0].train.batch_size * cfgs[0].train.seq_len,
                     "alone_tokens_per_s": alone, "vmapped_tokens_per_s": together,
                     "alone_wall_s": alone_s, "vmapped_wall_s": group_s})

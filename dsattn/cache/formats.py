@@ -54,6 +54,7 @@ checked in tests/test_formats.py), so a backend only needs E4M3 casts and same-w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -65,7 +66,38 @@ from dsattn.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Element:
+    """How a quantized format stores its values: bits each, the largest magnitude, and the
+    codec (float32 values already divided by their scale <-> stored items)."""
+    bits: int
+    qmax: float
+    dtype: object  # the float its stored bits are (None: packed codes, kept as uint8)
+    encode: Callable[[jax.Array], jax.Array]  # float32 [..., n] -> stored [..., n * bits / 8]
+    decode: Callable[[jax.Array], jax.Array]  # stored (as floats) -> float32 [..., n]
+
+    @property
+    def per_item(self) -> int:
+        """Values per stored item (2: E2M1 codes packed two per byte)."""
+        return 8 // self.bits
+
+
+@dataclass(frozen=True)
+class ScaleType:
+    """How a quantized format stores its per-block scales."""
+    nbytes: int
+    dtype: object  # the float its stored bits are (None: float32, stored as it is)
+    # float32 scales s -> (stored scales, the scales the values are divided by)
+    store: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+    # stored scales (their floats, or their uint8 bytes) -> float32: a kernel's dequantization
+    to_f32: Callable[[jax.Array], jax.Array]
+    kernel_bytes: bool = False  # the kernels take them as their uint8 bytes (a bitcast)
+
+
+@dataclass(frozen=True)
 class FormatSpec:
+    """One cache format: its layout (the fields), and so its bytes per vector, its encode and
+    decode (module functions of the same names take its name) and what the indexer kernels
+    read of it (`kernel`; `block`, `element` and `scale_type` are how they dequantize)."""
     name: str
     block: int  # channels per scale (0: no scale)
     needs_rope_split: bool  # keeps the last r dims apart (in BF16)
@@ -74,19 +106,39 @@ class FormatSpec:
     pow2: bool = False  # scale rounded up to a power of two
     amax_floor: float = 0.0  # lower clamp on the block amax
     scale_align: int = 1  # number of stored scales padded up to a multiple of this
+    # Not quantized: the float its values are stored in (None: the compute dtype as it is)
+    value_dtype: object = None
+    kernel: bool = False  # the indexer score kernels read it (dsattn.kernels.indexer_score)
 
+    @property
+    def element(self) -> Element | None:
+        return ELEMENTS.get(self.elem)
 
-FORMATS = {
-    "native": FormatSpec("native", 0, False),
-    "bf16": FormatSpec("bf16", 0, False),
-    "fp8_ds_mla": FormatSpec("fp8_ds_mla", 128, True, "fp8", "f32", True, 1e-4),
-    "fp8_fp32": FormatSpec("fp8_fp32", 128, False, "fp8", "f32", True, 1e-4),
-    "fp8_ue8m0_rope_bf16": FormatSpec("fp8_ue8m0_rope_bf16", 64, True, "fp8", "ue8m0", True,
-                                      1e-4, 8),
-    "fp8_ue8m0": FormatSpec("fp8_ue8m0", 32, False, "fp8", "ue8m0", True, 1e-4),
-    "fp4_ue8m0": FormatSpec("fp4_ue8m0", 32, False, "fp4", "ue8m0", True, 6 * 2.0**-126),
-    "fp4_e4m3": FormatSpec("fp4_e4m3", 16, False, "fp4", "e4m3", False, 6 * 2.0**-9),
-}
+    @property
+    def scale_type(self) -> ScaleType | None:
+        return SCALE_TYPES.get(self.scale)
+
+    @property
+    def exact(self) -> bool:
+        """Stores the compute dtype as it is: decode(encode(x)) is x."""
+        return not self.block and self.value_dtype is None
+
+    @property
+    def per_item(self) -> int:
+        """Values per stored item of its values array."""
+        return self.element.per_item if self.element else 1
+
+    def bytes_per_vector(self, width: int, rope: int = 0, native_dtype="float32") -> int:
+        """Bytes one stored vector of ``width`` dims (last ``rope`` of them rotary) takes."""
+        if not self.block:
+            return width * _itemsize(native_dtype if self.value_dtype is None
+                                     else self.value_dtype)
+        rope = rope if self.needs_rope_split else 0  # rotary dims kept in BF16
+        body = width - rope
+        n_scales = -(-(body // self.block) // self.scale_align) * self.scale_align
+        return (body * self.element.bits // 8 + n_scales * self.scale_type.nbytes
+                + 2 * rope)
+
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -109,26 +161,10 @@ def spec(fmt: str) -> FormatSpec:
             f"unknown cache format {fmt!r}; allowed: {', '.join(FORMATS)}") from None
 
 
-def bytes_per_vector(fmt: str, width: int, rope: int = 0, native_dtype="float32") -> float:
-    """Bytes one stored vector of ``width`` dims (last ``rope`` of them rotary) takes."""
-    w, r = width, rope
-    if fmt == "native":
-        return w * _itemsize(native_dtype)
-    if fmt == "bf16":
-        return 2 * w
-    if fmt == "fp8_ds_mla":
-        return (w - r) + 4 * ((w - r) // 128) + 2 * r
-    if fmt == "fp8_fp32":
-        return w + 4 * (w // 128)
-    if fmt == "fp8_ue8m0_rope_bf16":
-        return (w - r) + 2 * r + 8 * math.ceil(((w - r) // 64) / 8)
-    if fmt == "fp8_ue8m0":
-        return w + w // 32
-    if fmt == "fp4_ue8m0":
-        return w // 2 + w // 32
-    if fmt == "fp4_e4m3":
-        return w // 2 + w // 16
-    raise ConfigError(f"unknown cache format {fmt!r}; allowed: {', '.join(FORMATS)}")
+def bytes_per_vector(fmt: str, width: int, rope: int = 0, native_dtype="float32") -> int:
+    """Bytes one stored vector of ``width`` dims (last ``rope`` of them rotary) takes in
+    ``fmt`` (its FormatSpec's)."""
+    return spec(fmt).bytes_per_vector(width, rope, native_dtype)
 
 
 def check_width(fmt: str, width: int, rope: int, key: str) -> None:
@@ -147,7 +183,7 @@ def check_width(fmt: str, width: int, rope: int, key: str) -> None:
             f"{key}: format {fmt!r} uses one scale per {spec.block} channels, but the "
             f"quantized width is {quantized} (not divisible by {spec.block})"
         )
-    if fmt.startswith("fp4") and width % 2:
+    if width % spec.per_item:
         raise ConfigError(f"{key}: format {fmt!r} packs two values per byte; width {width} is odd")
 
 
@@ -238,32 +274,59 @@ def _blocked(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
+def _zero_bytes(shape, dtype) -> jax.Array:
+    """An array of `dtype` whose every byte is 0x00 (E8M0 has no 0.0 to fill with)."""
+    dtype = jnp.dtype(dtype)
+    return jax.lax.bitcast_convert_type(jnp.zeros(shape, f"uint{8 * dtype.itemsize}"), dtype)
+
+
 def _quantize(sp: FormatSpec, x: jax.Array) -> dict[str, jax.Array]:
     """Block-quantize float32 ``x`` [..., n] -> {"q", "scale"} as stored by ``sp``."""
-    qmax = E4M3_MAX if sp.elem == "fp8" else E2M1_MAX
+    elem, scale = sp.element, sp.scale_type
     xb = _blocked(x, sp.block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), jnp.float32(sp.amax_floor))
-    s = amax / qmax
+    s = amax / elem.qmax
     if sp.pow2:
         s = _ceil_pow2(s)
-    if sp.scale == "e4m3":
-        stored_scale = _e4m3_round_up(jnp.minimum(s, E4M3_MAX))
-        s = stored_scale.astype(jnp.float32)
-    elif sp.scale == "ue8m0":
-        stored_scale = pow2_to_e8m0(s)
-        pad = -stored_scale.shape[-1] % sp.scale_align
-        if pad:
-            zeros = jnp.zeros(stored_scale.shape[:-1] + (pad,), jnp.uint8)
-            stored_scale = jnp.concatenate(
-                [stored_scale, jax.lax.bitcast_convert_type(zeros, jnp.float8_e8m0fnu)], -1)
-    else:
-        stored_scale = s
-    y = jnp.clip(xb / s[..., None], -qmax, qmax).reshape(x.shape)
-    if sp.elem == "fp8":
-        q = y.astype(jnp.float8_e4m3fn)
-    else:
-        q = pack_fp4(e2m1_codes(y))
-    return {"q": q, "scale": stored_scale}
+    stored_scale, s = scale.store(s)
+    pad = -stored_scale.shape[-1] % sp.scale_align
+    if pad:
+        stored_scale = jnp.concatenate(
+            [stored_scale, _zero_bytes(stored_scale.shape[:-1] + (pad,), stored_scale.dtype)], -1)
+    y = jnp.clip(xb / s[..., None], -elem.qmax, elem.qmax).reshape(x.shape)
+    return {"q": elem.encode(y), "scale": stored_scale}
+
+
+def _e4m3_scale(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4-like E4M3 scales: clamped to 448 and rounded up, so nothing is clipped."""
+    stored = _e4m3_round_up(jnp.minimum(s, E4M3_MAX))
+    return stored, stored.astype(jnp.float32)
+
+
+ELEMENTS = {  # FormatSpec.elem -> how its values are stored
+    "fp8": Element(8, E4M3_MAX, jnp.float8_e4m3fn, lambda y: y.astype(jnp.float8_e4m3fn),
+                   lambda q: q.astype(jnp.float32)),
+    "fp4": Element(4, E2M1_MAX, None, lambda y: pack_fp4(e2m1_codes(y)),
+                   lambda q: e2m1_values(unpack_fp4(q))),
+}
+SCALE_TYPES = {  # FormatSpec.scale -> how its scales are stored
+    "f32": ScaleType(4, None, lambda s: (s, s), lambda a: a.astype(jnp.float32)),
+    "ue8m0": ScaleType(1, jnp.float8_e8m0fnu, lambda s: (pow2_to_e8m0(s), s), e8m0_to_f32,
+                       kernel_bytes=True),
+    "e4m3": ScaleType(1, jnp.float8_e4m3fn, _e4m3_scale, lambda a: a.astype(jnp.float32)),
+}
+FORMATS = {  # every cache format; the module docstring has their bytes and stored arrays
+    "native": FormatSpec("native", 0, False, kernel=True),
+    "bf16": FormatSpec("bf16", 0, False, value_dtype=jnp.bfloat16, kernel=True),
+    "fp8_ds_mla": FormatSpec("fp8_ds_mla", 128, True, "fp8", "f32", True, 1e-4),
+    "fp8_fp32": FormatSpec("fp8_fp32", 128, False, "fp8", "f32", True, 1e-4, kernel=True),
+    "fp8_ue8m0_rope_bf16": FormatSpec("fp8_ue8m0_rope_bf16", 64, True, "fp8", "ue8m0", True,
+                                      1e-4, 8),
+    "fp8_ue8m0": FormatSpec("fp8_ue8m0", 32, False, "fp8", "ue8m0", True, 1e-4, kernel=True),
+    "fp4_ue8m0": FormatSpec("fp4_ue8m0", 32, False, "fp4", "ue8m0", True, 6 * 2.0**-126,
+                            kernel=True),
+    "fp4_e4m3": FormatSpec("fp4_e4m3", 16, False, "fp4", "e4m3", False, 6 * 2.0**-9),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,11 +345,11 @@ def encode(fmt: str, x, rope: int = 0) -> dict[str, jax.Array]:
     x = jnp.asarray(x)
     w = x.shape[-1]
     check_width(fmt, w, rope, "encode")
-    if fmt == "native":  # the compute dtype as it is (its bits would not say which float)
+    if sp.exact:  # the compute dtype as it is (its bits would not say which float)
         return {"v": x}
     x = x.astype(jnp.float32)  # float64 inputs are handled exactly like their float32 rounding
-    if fmt == "bf16":
-        return {"v": _as_bits(x.astype(jnp.bfloat16))}
+    if not sp.block:
+        return {"v": _as_bits(x.astype(sp.value_dtype))}
     out = {}
     body = x
     if sp.needs_rope_split:
@@ -310,9 +373,9 @@ def as_floats(fmt: str, stored: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Stored arrays with their bits (``encode``'s output) viewed as the format's floats:
     e4m3 values, e8m0 or e4m3 scales, bf16 rotary dims or values (same-width bitcasts)."""
     sp = spec(fmt)
-    kinds = {"q": jnp.float8_e4m3fn if sp.elem == "fp8" else None,
-             "scale": {"ue8m0": jnp.float8_e8m0fnu, "e4m3": jnp.float8_e4m3fn}.get(sp.scale),
-             "rope": jnp.bfloat16, "v": jnp.bfloat16 if fmt == "bf16" else None}
+    kinds = {"q": sp.element.dtype if sp.element else None,
+             "scale": sp.scale_type.dtype if sp.scale_type else None,
+             "rope": jnp.bfloat16, "v": sp.value_dtype}
     out = {}
     for k, a in stored.items():
         want = kinds.get(k)
@@ -328,12 +391,9 @@ def block_scales(fmt: str, stored: dict[str, jax.Array]) -> jax.Array:
     sp = spec(fmt)
     if not sp.block:
         raise ConfigError(f"cache format {fmt!r} has no scales")
-    n_q = stored["q"].shape[-1] * (2 if sp.elem == "fp4" else 1)
-    n_blocks = n_q // sp.block
+    n_blocks = stored["q"].shape[-1] * sp.per_item // sp.block
     sc = as_floats(fmt, {"scale": stored["scale"]})["scale"][..., :n_blocks]
-    if sp.scale == "ue8m0":
-        return e8m0_to_f32(sc)
-    return sc.astype(jnp.float32)
+    return sp.scale_type.to_f32(sc)
 
 
 def decode(fmt: str, stored: dict[str, jax.Array], dtype=jnp.float32) -> jax.Array:
@@ -343,11 +403,7 @@ def decode(fmt: str, stored: dict[str, jax.Array], dtype=jnp.float32) -> jax.Arr
     stored = as_floats(fmt, stored)
     if not sp.block:
         return stored["v"].astype(dtype)
-    q = stored["q"]
-    if sp.elem == "fp8":
-        vals = q.astype(jnp.float32)
-    else:
-        vals = e2m1_values(unpack_fp4(q))
+    vals = sp.element.decode(stored["q"])
     s = block_scales(fmt, stored)
     vals = (_blocked(vals, sp.block) * s[..., None]).reshape(vals.shape)
     if sp.needs_rope_split:
@@ -362,7 +418,7 @@ def quantize_dequantize(fmt: str, x: jax.Array, rope: int = 0) -> jax.Array:
     x - x is exactly 0, rather than x + sg(qdq - x), which can round); d/dx is the identity.
     """
     x = jnp.asarray(x)
-    if fmt == "native":
+    if spec(fmt).exact:
         check_width(fmt, x.shape[-1], rope, "quantize_dequantize")
         return x
     y = decode(fmt, encode(fmt, x, rope), x.dtype)

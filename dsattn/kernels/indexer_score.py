@@ -52,9 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsattn.cache import formats
 
-KERNEL_FORMATS = ("native", "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0")
-_FP8_BLOCK = 128  # fp8_fp32: one float32 scale per 128 channels
-_UE8M0_BLOCK = 32  # fp8_ue8m0 / fp4_ue8m0: one E8M0 scale per 32 channels
+KERNEL_FORMATS = tuple(name for name, sp in formats.FORMATS.items() if sp.kernel)
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims, [M, d] x [N, d] -> [M, N]
 
 
@@ -116,23 +114,23 @@ def kernel_inputs(q, pages, fmt: str, who: str):
         raise NotImplementedError(
             f"{who}: format {fmt!r} has no kernel (supported: {', '.join(KERNEL_FORMATS)}); "
             f"use reference_scores")
+    sp = formats.spec(fmt)
     d = q.shape[-1]
     pages = formats.as_floats(fmt, pages)  # stored bits as the kernel's floats: a bitcast
-    if fmt in ("native", "bf16"):
+    if not sp.block:
         key_arrays = [pages["v"]]
     else:
-        blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
-        if d % blk:
-            raise ValueError(f"{who}: {fmt} needs d % {blk} == 0, got d={d}")
+        if d % sp.block:
+            raise ValueError(f"{who}: {fmt} needs d % {sp.block} == 0, got d={d}")
         scale = pages["scale"]
-        if fmt != "fp8_fp32":
+        if sp.scale_type.kernel_bytes:
             scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
         key_arrays = [pages["q"], scale]
-    key_w = key_arrays[0].shape[2] * (2 if fmt == "fp4_ue8m0" else 1)
+    key_w = key_arrays[0].shape[2] * sp.per_item
     if key_w != d:
         raise ValueError(f"{who}: key width {key_w} != query d {d}")
     q32 = jnp.asarray(q, jnp.float32)
-    if fmt == "fp4_ue8m0":
+    if sp.per_item == 2:
         q32 = jnp.concatenate([q32[..., 0::2], q32[..., 1::2]], axis=-1)
     return q32, key_arrays
 
@@ -149,22 +147,22 @@ def dequant_dots(fmt: str, d: int, load_q, load_k, precision):
         return jax.lax.dot_general(a, b, _NT, precision=precision,
                                    preferred_element_type=jnp.float32)
 
-    if fmt in ("native", "bf16"):
+    sp = formats.spec(fmt)
+    if not sp.block:
         return dot(load_q(0, d), load_k(0, 0, d).astype(jnp.float32))
     dots = None
-    if fmt == "fp4_ue8m0":  # packed E2M1 pairs: channel 2i in the low nibble, 2i+1 in the high
-        half, bb = d // 2, _UE8M0_BLOCK // 2  # bytes per scale block
+    if sp.per_item == 2:  # packed E2M1 pairs: channel 2i in the low nibble, 2i+1 in the high
+        half, bb = d // 2, sp.block // 2  # bytes per scale block
         for i in range(half // bb):
             kp = load_k(0, i * bb, bb)
-            s = formats.e8m0_to_f32(load_k(1, i, 1))
+            s = sp.scale_type.to_f32(load_k(1, i, 1))
             part = (dot(load_q(i * bb, bb), formats.e2m1_values(kp & 0xF) * s)
                     + dot(load_q(half + i * bb, bb), formats.e2m1_values(kp >> 4) * s))
             dots = part if dots is None else dots + part
         return dots
-    blk = _FP8_BLOCK if fmt == "fp8_fp32" else _UE8M0_BLOCK
+    blk = sp.block
     for i in range(d // blk):
-        s = load_k(1, i, 1)  # fp8_ue8m0 scales arrive as their uint8 bytes: 2^(byte-127)
-        s = s.astype(jnp.float32) if fmt == "fp8_fp32" else formats.e8m0_to_f32(s)
+        s = sp.scale_type.to_f32(load_k(1, i, 1))  # E8M0 scales as their bytes: 2^(byte-127)
         part = dot(load_q(i * blk, blk), load_k(0, i * blk, blk).astype(jnp.float32) * s)
         dots = part if dots is None else dots + part
     return dots

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsattn.cache import formats
 from dsattn.kernels.indexer_score import (block_maxima, check_block_max, dequant_dots,
                                           kernel_inputs, truncate)
 
@@ -107,7 +108,7 @@ def paged_scores_gpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     if bk < 16 or bk & (bk - 1) or (block_max is not None and bk % block_max):
         raise ValueError(f"{who}: block_k={bk} must be a power of two >= 16 and a multiple "
                          f"of block_max={block_max} (Triton tiles are powers of two)")
-    if fmt in ("native", "bf16") and (d < 16 or d & (d - 1)):  # loaded whole (else per block)
+    if not formats.spec(fmt).block and (d < 16 or d & (d - 1)):  # loaded whole (else per block)
         raise ValueError(f"{who}: {fmt} keys are loaded as [block_k, d] tiles: d={d} must be "
                          f"a power of two >= 16")
     if block_t is None:

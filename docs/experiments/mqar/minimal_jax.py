@@ -2,11 +2,11 @@
 import sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import jax, jax.numpy as jnp, numpy as np, optax
-from dsattn import data, recall
+from dsattn import datasource, recall
 src = sys.argv[1]
 pos_kind = sys.argv[2] if len(sys.argv) > 2 else "learned"
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
-spec = data.parse_source(src).recall
+spec = datasource.parse(src).recall
 train, val, wtr, wva, desc = recall.mqar_streams(spec, 0.05)
 B, T, D, H, L = 64, spec.block, 64, 4, 2
 hd = D // H

@@ -2,7 +2,7 @@
 import argparse, sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import jax, jax.numpy as jnp, numpy as np, optax
-from dsattn import data, recall
+from dsattn import datasource, recall
 
 ap = argparse.ArgumentParser()
 ap.add_argument("src")
@@ -25,7 +25,7 @@ ap.add_argument("--ffn", type=int, default=1)
 ap.add_argument("--shift", type=int, default=0)  # diagnostic: add emb2(x[t-1]) (a built-in previous-token path)
 a = ap.parse_args()
 print(" ".join(sys.argv[1:]), flush=True)
-spec = data.parse_source(a.src).recall
+spec = datasource.parse(a.src).recall
 train, val, wtr, wva, desc = recall.mqar_streams(spec, 0.05)
 print(desc, flush=True)
 B, T, D, H, L = a.B, spec.block, a.D, a.heads, a.L
