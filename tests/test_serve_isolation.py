@@ -23,6 +23,7 @@ FAMILIES = ["mha", "mla", "dsa", "v4", "v41"]
 PAGED = {"dsa", "v4", "v41"}
 ROWS, MAX_LEN, CHUNK = 3, 48, 16
 POOL_TOKENS = 64  # pages for ~1.3 rows of max_len: admission waits, rows are preempted
+SMALL_PAGES = "cache.page_size=4"  # rows of MAX_LEN hold several pages: pools run short
 
 
 def cut(tokens, eos_id=None, stop=()):
@@ -124,7 +125,7 @@ def serve(eng, reqs, arrivals, replay=None, poison=True):
 
 
 def check_isolation(name, seed, n, sampled, replay=None, overrides=()):
-    eng = generate.Engine(tiny_model(name, *overrides))
+    eng = generate.Engine(tiny_model(name, SMALL_PAGES, *overrides))
     rng = np.random.RandomState(seed)
     reqs, arrivals = random_mix(rng, n, eng.cfg.model.vocab_size, sampled)
     uncut = [solo(eng, r, replay) for r in reqs]
@@ -169,7 +170,7 @@ def test_random_replay_mixes_equal_their_solo_outputs(seed):
 
 
 def test_a_request_that_can_never_fit_is_refused_at_submission():
-    eng = generate.Engine(tiny_model("v4", *FAST["v4"]))
+    eng = generate.Engine(tiny_model("v4", SMALL_PAGES, *FAST["v4"]))
     s = Scheduler(eng, ROWS, MAX_LEN, pool_tokens=16, max_chunk=CHUNK)
     with pytest.raises(InputError, match="exceeds the cache's 48 positions"):
         s.submit(Request([1] * 40, 9))
