@@ -22,7 +22,7 @@ from tests.helpers import tiny_model
 FAMILIES = ["mha", "mla", "dsa", "v4", "v41"]
 PAGED = {"dsa", "v4", "v41"}
 ROWS, MAX_LEN, CHUNK = 3, 48, 16
-POOL_TOKENS = 64  # pages for ~1.3 rows of max_len: admission waits, rows are preempted
+POOL_TOKENS = 32  # pages for ~1 request of the mix: admission waits, rows are preempted
 SMALL_PAGES = "cache.page_size=4"  # rows of MAX_LEN hold several pages: pools run short
 
 
