@@ -8,13 +8,15 @@ from dsattn import generate
 from dsattn.bench import serving
 from dsattn.serve.pool import with_pool
 from tests.helpers import tiny_model
+from tests.test_serve_isolation import FAST, SMALL_PAGES
 
 MAX_LEN = 64
 
 
 def test_v4_gets_the_largest_pool_within_a_budget():
     mha = generate.Engine(tiny_model("mha"))
-    v4 = generate.Engine(tiny_model("v4", "cache.page_size=4"))
+    # the isolation tests' fast model (one build per process)
+    v4 = generate.Engine(tiny_model("v4", SMALL_PAGES, *FAST["v4"]))
     rows = 8
     made = lambda p: serving.cache_bytes(jax.eval_shape(  # noqa: E731
         lambda: with_pool(v4.cfg, v4.init_cache(rows, MAX_LEN), p)))

@@ -2,8 +2,8 @@
 share its batch or had its pages before. Each request served by the scheduler (random
 arrival steps, prompt lengths and stop points, a pool small enough that pages are reused and
 rows preempted, every released page poisoned with NaN) equals its own solo
-Engine.generate output, cut where its eos token or stop sequence first appears, for every
-family (float64 models, so rounding cannot flip a draw). The fast tier runs one small mix
+Engine.generate output, cut where its eos token or stop sequence first appears (free rows'
+window rings, compressor states and positions are poisoned too), for every family (float64 models, so rounding cannot flip a draw). The fast tier runs one small mix
 per family; the full tier a randomized search."""
 
 import jax
@@ -13,6 +13,7 @@ import pytest
 
 from dsattn import generate
 from dsattn.cache.paged import PagedCache
+from dsattn.cache.protocol import is_container
 from dsattn.errors import InputError
 from dsattn.model import layer_caches, with_layer_caches
 from dsattn.serve.request import Finish, Request
@@ -75,15 +76,47 @@ def poison_free_pages(cfg, state):
     return with_layer_caches(cfg, state, caches)
 
 
+LONG = 2  # the first requests: long, arriving together, they outgrow the pool decoding
+
+
+def poison_free_rows(cfg, state, rows):
+    """`state` with the local caches (window rings, compressor states, contiguous K/V) and
+    position of every row in `rows` overwritten: NaN vectors, ring slots claiming positions
+    0..W-1, position 7. A free row's leftovers must never reach its next request."""
+    if not rows:
+        return state
+    at = jnp.asarray(rows)
+
+    def poison(c):
+        if isinstance(c, PagedCache) or not is_container(c):
+            return c
+
+        def leaf(a):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                return a.at[at].set(jnp.nan)
+            return a.at[at].set(jnp.arange(a.shape[-1], dtype=a.dtype))  # ring positions
+
+        return jax.tree.map(leaf, c)
+
+    caches = [jax.tree.map(poison, lc, is_leaf=is_container) for lc in layer_caches(cfg, state)]
+    return with_layer_caches(cfg, state, caches).replace(pos=state.pos.at[at].set(7))
+
+
 def random_mix(rng, n, vocab, sampled: int):
-    """n requests (the last `sampled` ones sampled with their own seed) and arrival steps."""
+    """n requests (the last `sampled` ones sampled with their own seed) and arrival steps;
+    the first LONG prompts fill a chunk and run 13 tokens each, all from step 0, so both are
+    admitted and the pool runs out while they decode."""
     reqs = []
     for i in range(n):
         hot = i >= n - sampled
-        reqs.append(Request(rng.randint(0, vocab, rng.randint(1, CHUNK + 1)).tolist(),
-                            int(rng.randint(1, 14)), temperature=0.8 if hot else 0.0,
-                            top_p=0.9 if hot else 1.0, seed=int(rng.randint(0, 1000))))
-    return reqs, np.sort(rng.randint(0, 6, n))
+        length = CHUNK - 1 if i < LONG else rng.randint(1, CHUNK + 1)
+        reqs.append(Request(rng.randint(0, vocab, length).tolist(),
+                            13 if i < LONG else int(rng.randint(1, 14)),
+                            temperature=0.8 if hot else 0.0, top_p=0.9 if hot else 1.0,
+                            seed=int(rng.randint(0, 1000))))
+    arrivals = np.sort(rng.randint(0, 6, n))
+    arrivals[:LONG] = 0
+    return reqs, arrivals
 
 
 def with_stops(rng, req, uncut):
@@ -119,7 +152,8 @@ def serve(eng, reqs, arrivals, replay=None, poison=True):
             if ev.finish is not None:
                 finish[i] = ev.finish
         if poison:
-            s.cache = poison_free_pages(eng.cfg, s.cache)
+            s.cache = poison_free_rows(eng.cfg, poison_free_pages(eng.cfg, s.cache),
+                                       s.free_rows())
         step += 1
     return [out.get(i, []) for i in range(len(reqs))], s.preemptions, finish
 
@@ -129,7 +163,7 @@ def check_isolation(name, seed, n, sampled, replay=None, overrides=()):
     rng = np.random.RandomState(seed)
     reqs, arrivals = random_mix(rng, n, eng.cfg.model.vocab_size, sampled)
     uncut = [solo(eng, r, replay) for r in reqs]
-    reqs = [with_stops(rng, r, u) for r, u in zip(reqs, uncut)]
+    reqs = reqs[:LONG] + [with_stops(rng, r, u) for r, u in zip(reqs[LONG:], uncut[LONG:])]
     got, preemptions, finish = serve(eng, reqs, arrivals, replay)
     for i, (r, u) in enumerate(zip(reqs, uncut)):
         want, why = cut(u, r.eos_id, r.stop)

@@ -3,7 +3,8 @@
 Each `step()` the host decides and the device computes:
 
 1. admit queued requests (first come, first served) into free rows while the page pools
-   hold what every active row's context needs plus the newcomer's prompt (pool.py);
+   hold what every active row's context needs plus the newcomer's prompt (pool.py), and
+   clear the rows they get (whatever a free row holds never reaches its next owner);
 2. plan every row's tokens for this step: a decoding row 1 (its last sampled token), a
    prefilling row a chunk of its context, the chunks sharing what a per-step token budget
    leaves after the decoding rows (oldest first), so a long prompt does not stall the rest;
@@ -153,6 +154,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._queue and not self.active and not self._pending
 
+    def free_rows(self) -> list[int]:
+        """Rows holding no request (their cache rows are the next owners' to clear)."""
+        return [i for i, r in enumerate(self._slots) if r is None]
+
     def _written(self) -> np.ndarray:
         return np.array([0 if r is None else r.written for r in self._slots], np.int64)
 
@@ -200,13 +205,17 @@ class Scheduler:
         return [int(p.pages(np.array(ctx)).sum()) for p in self.pools]
 
     def _admit(self) -> None:
+        admitted = []
         while self._queue and None in self._slots:
             job = self._queue[0]
             held = self._held([len(job.context)])
             if any(h > p.n_pages for h, p in zip(held, self.pools)):
-                return  # first come, first served: wait for pages
+                break  # first come, first served: wait for pages
             self._queue.popleft()
-            self._slots[self._slots.index(None)] = _Row(job, next(self._seq))
+            admitted.append(self._slots.index(None))
+            self._slots[admitted[-1]] = _Row(job, next(self._seq))
+        if admitted:  # a fresh row, whatever a free row holds (retirement cleared it too)
+            self._reset(admitted)
 
     def _chunks(self) -> np.ndarray:
         """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
@@ -304,9 +313,12 @@ class Scheduler:
 
     def _clear(self, rows: list[int]) -> None:
         """Free `rows` now: pages released and local state reset on the device."""
-        mask = np.zeros(self.rows, bool)
-        mask[rows] = True
         for i in rows:
             self._slots[i] = None
+        self._reset(rows)
+
+    def _reset(self, rows: list[int]) -> None:
+        mask = np.zeros(self.rows, bool)
+        mask[rows] = True
         self.cache = programs.clear_rows(self.engine.units, self.cache, jnp.asarray(mask),
                                          self._blank)
