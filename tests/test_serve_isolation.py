@@ -1,10 +1,13 @@
 """Continuous batching's core promise: a request's tokens never depend on which requests
-share its batch or had its pages before. Each request served by the scheduler (random
-arrival steps, prompt lengths and stop points, a pool small enough that pages are reused and
-rows preempted, every released page poisoned with NaN) equals its own solo
-Engine.generate output, cut where its eos token or stop sequence first appears (free rows'
-window rings, compressor states and positions are poisoned too), for every family (float64 models, so rounding cannot flip a draw). The fast tier runs one small mix
-per family; the full tier a randomized search."""
+share its batch or had its pages or its row before. Each request served by the scheduler
+(random arrival steps, prompt lengths and stop points, a pool small enough that pages are
+reused and rows preempted, every released page and every free row's window ring,
+compressor state and position poisoned after each step) equals its own solo
+Engine.generate output, cut where its eos token or stop sequence first appears, for every
+family (float64 models, so rounding cannot flip a draw). The fast tier runs one small mix
+on a 3-layer V4; the full tier every preset and a randomized search."""
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -61,45 +64,40 @@ def solo(eng, req: Request, replay=None):
     return out
 
 
-def poison_free_pages(cfg, state):
-    """`state` with every page on a free stack overwritten with NaN: what a released page
-    held must never reach its next owner."""
-    def poison(c):
-        if not isinstance(c, PagedCache):
-            return c
-        free = np.asarray(c.free)[: int(np.asarray(c.n_free)[0])]
-        nan = lambda a: a.at[free].set(jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a
-        return c.replace(pages=jax.tree.map(nan, c.pages))
-
-    caches = [jax.tree.map(poison, lc, is_leaf=lambda n: isinstance(n, PagedCache))
-              for lc in layer_caches(cfg, state)]
-    return with_layer_caches(cfg, state, caches)
+def _rows(mask, a):
+    return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
 
 
-LONG = 2  # the first requests: long, arriving together, they outgrow the pool decoding
-
-
-def poison_free_rows(cfg, state, rows):
-    """`state` with the local caches (window rings, compressor states, contiguous K/V) and
-    position of every row in `rows` overwritten: NaN vectors, ring slots claiming positions
-    0..W-1, position 7. A free row's leftovers must never reach its next request."""
-    if not rows:
-        return state
-    at = jnp.asarray(rows)
-
-    def poison(c):
-        if isinstance(c, PagedCache) or not is_container(c):
+@partial(jax.jit, static_argnums=0)
+def poison(cfg, state, free_rows):
+    """`state` with what released pages and free rows (`free_rows` [B]) hold overwritten:
+    every page on a free stack NaN; free rows' local caches (window rings, compressor
+    states, contiguous K/V) NaN, their ring slots claiming positions 0..W-1, their position
+    7. None of it may reach the next owner."""
+    def one(c):
+        if isinstance(c, PagedCache):
+            n = c.n_pages
+            ids = jnp.where(jnp.arange(n) < c.n_free[0], c.free, n)
+            bad = jnp.zeros(n + 1, bool).at[ids].set(True)[:n]
+            nan = lambda a: (jnp.where(_rows(bad, a), jnp.nan, a)  # noqa: E731
+                             if jnp.issubdtype(a.dtype, jnp.floating) else a)
+            return c.replace(pages=jax.tree.map(nan, c.pages))
+        if not is_container(c):
             return c
 
         def leaf(a):
             if jnp.issubdtype(a.dtype, jnp.floating):
-                return a.at[at].set(jnp.nan)
-            return a.at[at].set(jnp.arange(a.shape[-1], dtype=a.dtype))  # ring positions
+                return jnp.where(_rows(free_rows, a), jnp.nan, a)
+            return jnp.where(_rows(free_rows, a), jnp.arange(a.shape[-1], dtype=a.dtype), a)
 
         return jax.tree.map(leaf, c)
 
-    caches = [jax.tree.map(poison, lc, is_leaf=is_container) for lc in layer_caches(cfg, state)]
-    return with_layer_caches(cfg, state, caches).replace(pos=state.pos.at[at].set(7))
+    caches = [jax.tree.map(one, lc, is_leaf=is_container) for lc in layer_caches(cfg, state)]
+    return with_layer_caches(cfg, state, caches).replace(
+        pos=jnp.where(free_rows, 7, state.pos))
+
+
+LONG = 2  # the first requests: long, arriving together, they outgrow the pool decoding
 
 
 def random_mix(rng, n, vocab, sampled: int):
@@ -133,9 +131,10 @@ def with_stops(rng, req, uncut):
                    stop=(tuple(uncut[k - 1: k + 1]),))
 
 
-def serve(eng, reqs, arrivals, replay=None, poison=True):
+def serve(eng, reqs, arrivals, replay=None, poisoned=True):
     """(each request's output, preemptions, the finish of each) served by one scheduler,
-    request i submitted before step arrivals[i], free pages poisoned after every step."""
+    request i submitted before step arrivals[i], released pages and free rows poisoned
+    after every step."""
     s = Scheduler(eng, ROWS, MAX_LEN, pool_tokens=POOL_TOKENS, token_budget=ROWS + CHUNK,
                   max_chunk=CHUNK, replay=replay)
     ids, out, finish, step = {}, {}, {}, 0
@@ -151,9 +150,10 @@ def serve(eng, reqs, arrivals, replay=None, poison=True):
                 out[i].append(ev.token)
             if ev.finish is not None:
                 finish[i] = ev.finish
-        if poison:
-            s.cache = poison_free_rows(eng.cfg, poison_free_pages(eng.cfg, s.cache),
-                                       s.free_rows())
+        if poisoned:
+            free = np.zeros(ROWS, bool)
+            free[s.free_rows()] = True
+            s.cache = poison(eng.cfg, s.cache, jnp.asarray(free))
         step += 1
     return [out.get(i, []) for i in range(len(reqs))], s.preemptions, finish
 
