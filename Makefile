@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# The tests also cover the benchmark's Hugging Face peer (torch CPU + transformers).
+# The tests also cover the benchmark's Hugging Face peer (torch CPU + transformers) and the
+# OpenAI-compatible server (fastapi, uvicorn, the openai client).
 $(PEER_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[dev,peer]"
+	$(BIN)/pip install -q -e ".[dev,peer,serve]"
 	touch $(PEER_STAMP)
 
 install: $(STAMP)

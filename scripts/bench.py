@@ -43,6 +43,13 @@ Hadamard rotation (indexer.hadamard), into ``rotation.{json,txt}``.
 included) with its token loop on the device and on the host, alternating, into
 ``generate.{json,txt}``.
 
+--serve instead runs a serving load (dsattn.bench.serving): --serve-requests requests with
+random prompt (--serve-prompt LO,HI) and output (--serve-output LO,HI) lengths arriving at
+--serve-rate per second, served by continuous batching for mha and v4 (--presets) in the
+same cache memory (MHA's at --serve-mha-rows rows of --serve-max-len; the others get
+--serve-rows rows and the largest page pool that fits): requests/s, output tokens/s, time to
+first token and inter-token latency (median, p99), into ``serve.{json,txt}``.
+
 --seeds N instead trains N seeds of each named row of a sweep file as one vmapped model
 (dsattn.train.SeedGroup) and one after another: each seed's tokens/s and the whole set's
 wall time, into ``seeds.{json,txt}``.
@@ -130,6 +137,16 @@ def parse_args(argv=None):
                          "device memory, by compiled memory analysis, and stop")
     ap.add_argument("--generate", action="store_true",
                     help="generate() tokens/s, device vs host token loop, and stop")
+    ap.add_argument("--serve", action="store_true",
+                    help="a serving load, mha vs v4 in the same cache memory, and stop")
+    ap.add_argument("--serve-requests", type=int, default=32)
+    ap.add_argument("--serve-rate", type=float, default=4.0, help="arrivals per second")
+    ap.add_argument("--serve-prompt", type=ints, default="64,256", help="LO,HI prompt tokens")
+    ap.add_argument("--serve-output", type=ints, default="16,64", help="LO,HI new tokens")
+    ap.add_argument("--serve-max-len", type=int, default=512)
+    ap.add_argument("--serve-mha-rows", type=int, default=4,
+                    help="the memory: MHA's cache at this many rows")
+    ap.add_argument("--serve-rows", type=int, default=16, help="rows of the other presets")
     ap.add_argument("--seeds", type=int, default=0,
                     help="seeds vmapped vs one after another (with --sweep, --rows), and stop")
     ap.add_argument("--sweep", default=str(ROOT / "configs" / "ablations" / "ratios.yaml"),
@@ -196,6 +213,21 @@ def generate_measures(args) -> dict:
     return {"generate": rows}
 
 
+def serve_measures(args) -> dict:
+    from dsattn.bench import serving
+
+    load = serving.Load(requests=args.serve_requests, rate=args.serve_rate,
+                        prompt=tuple(args.serve_prompt), output=tuple(args.serve_output),
+                        max_len=args.serve_max_len, mha_rows=args.serve_mha_rows,
+                        rows=args.serve_rows)
+    presets = tuple(p for p in args.presets.split(",") if p)
+    rows = serving.run(args.configs, presets, load, *args.set, log=log)
+    (Path(args.out) / "serve.json").write_text(json.dumps(rows, indent=1))
+    (Path(args.out) / "serve.txt").write_text(serving.table(rows) + "\n")
+    print(serving.table(rows))
+    return {"serve": rows}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -248,6 +280,8 @@ def main(argv=None) -> dict:
         return {"long_context": rows}
     if args.generate:
         return generate_measures(args)
+    if args.serve:
+        return serve_measures(args)
     if args.seeds:
         from dsattn import ablate
         from dsattn.bench import seeds

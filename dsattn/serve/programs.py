@@ -1,0 +1,59 @@
+"""The compiled programs continuous batching adds to dsattn.generate's (whose
+prefill_program runs every step: each row extends by its own count of tokens, 0 for an idle
+row, 1 for a decoding one, a chunk for a prefilling one): per-row sampling, and clearing
+rows for their next owner. Both keep static shapes: the batch of rows is fixed."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from dsattn import generate, scan
+from dsattn.cache import paged
+from dsattn.cache.paged import PagedCache
+from dsattn.cache.protocol import is_container
+
+
+@jax.jit
+def sample_rows(logits, seeds, steps, temperature, top_p):
+    """One token per row [B] from logits [B, V], each with its own sampling: greedy where
+    temperature [B] is 0, else temperature + top-p [B] with key
+    fold_in(PRNGKey(seed), step): exactly the draw Engine.generate makes for a request run
+    alone (its row 0 at that step)."""
+
+    def one(lg, seed, step, t, p):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        drawn = generate._sample(lg[None], key, jnp.maximum(t, 1e-6), p, greedy=False)[0]
+        return jnp.where(t == 0, jnp.argmax(lg).astype(jnp.int32), drawn)
+
+    return jax.vmap(one)(logits, seeds, steps, temperature.astype(jnp.float32),
+                         top_p.astype(jnp.float32))
+
+
+def _clear(rows, cache, blank):
+    """One container with `rows` [B] cleared: a paged cache's pages go back to its free
+    stack (paged.release); every other container's rows take the values of `blank` (the
+    same container for one empty row), so no window slot or open compressor span of the last
+    owner survives."""
+    if isinstance(cache, PagedCache):
+        return paged.release(cache, rows)
+    at = lambda a: rows.reshape((-1,) + (1,) * (a.ndim - 1))  # noqa: E731
+    return jax.tree.map(lambda old, new: jnp.where(at(old), new, old), cache, blank)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def clear_rows(units, state, rows, blank):
+    """`state` (a DecodeState) with the rows where `rows` [B] is True emptied, as
+    init_cache makes them: position 0, pages released, local state reset. `blank`: an
+    empty DecodeState of one row (same model and max_len); `units`: scan.units of the
+    model, which lay out both."""
+    layers = scan.per_layer(units, state.layers)
+    blanks = scan.per_layer(units, blank.layers)
+    new = [jax.tree.map(partial(_clear, rows), lc, bl, is_leaf=is_container)
+           for lc, bl in zip(layers, blanks)]
+    return state.replace(pos=jnp.where(rows, 0, state.pos),
+                         overflow=jnp.where(rows, False, state.overflow),
+                         evaluations=jnp.where(rows, 0, state.evaluations),
+                         layers=tuple(scan.per_unit(units, new)))

@@ -1,0 +1,324 @@
+"""Continuous batching over one decode state of `rows` fixed rows.
+
+Each `step()` the host decides and the device computes:
+
+1. admit queued requests (first come, first served) into free rows while the page pools
+   hold what every active row's context needs plus the newcomer's prompt (pool.py), and
+   clear the rows they get (whatever a free row holds never reaches its next owner);
+2. plan every row's tokens for this step: a decoding row 1 (its last sampled token), a
+   prefilling row a chunk of its context, the chunks sharing what a per-step token budget
+   leaves after the decoding rows (oldest first), so a long prompt does not stall the rest;
+   if the pools cannot hold the step's pages, preempt the youngest row (its pages released,
+   the request requeued first with its output so far, which is recomputed as prompt later);
+3. run the step as one compiled program (generate.prefill_program over [rows, T], T = 1 for
+   a decode-only step, else the bucketed longest chunk), and sample every row with its own
+   temperature, top-p and key on the device (programs.sample_rows);
+4. record each sampling row's token, retire the rows that hit their eos token, a stop
+   sequence or max_new_tokens, and clear them at once (programs.clear_rows: pages released,
+   window ring and compressor state reset), ready for the next request.
+
+Every shape inside the programs is static (rows, bucketed widths); only the host's lists
+change. A request that could never fit (its prompt and max_new_tokens past max_len, or past
+what a whole pool holds) is refused by `check`/`submit` with an InputError.
+
+A request's tokens equal its solo Engine.generate output (tests/test_serve_isolation.py):
+rows never read one another, a released page is read only below its new owner's length,
+and its sampling key depends on its seed and step alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsattn import generate
+from dsattn.errors import InputError
+from dsattn.serve import programs
+from dsattn.serve.pool import pool_layers, with_pool
+from dsattn.serve.request import Event, Finish, Request
+
+
+@dataclasses.dataclass
+class _Job:
+    """A submitted request and its output so far (kept across preemption)."""
+
+    rid: int
+    req: Request
+    output: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        """What its row's cache must hold before its next token is drawn."""
+        return list(self.req.prompt) + self.output
+
+
+@dataclasses.dataclass
+class _Row:
+    job: _Job
+    seq: int  # admission order: the youngest row is preempted first
+    written: int = 0  # positions of its context in the cache
+
+
+class Scheduler:
+    """Serve requests over `rows` rows of `max_len` positions of an engine's model.
+
+    pool_tokens: size of each paged layer's pool in positions (default: rows * max_len,
+    which never runs short); token_budget: tokens one step runs at most (decoding rows
+    included), > rows; max_chunk: the longest prefill chunk of one row (a power of two);
+    replay: bounded-replay prefill for CED configs, as Engine.prefill's (None: exact).
+    """
+
+    def __init__(self, engine: generate.Engine, rows: int, max_len: int, *,
+                 pool_tokens: int | None = None, token_budget: int | None = None,
+                 max_chunk: int = 64, replay=None):
+        if rows < 1:
+            raise InputError(f"scheduler: rows must be >= 1, got {rows}")
+        if max_chunk < generate.MIN_BUCKET or max_chunk & (max_chunk - 1):
+            raise InputError(f"scheduler: max_chunk must be a power of two >= "
+                             f"{generate.MIN_BUCKET}, got {max_chunk}")
+        token_budget = rows + max_chunk if token_budget is None else token_budget
+        if token_budget <= rows:
+            raise InputError(f"scheduler: token_budget ({token_budget}) must exceed rows "
+                             f"({rows}), or a full batch of decoding rows starves prefill")
+        self.engine, self.rows, self.max_len = engine, rows, max_len
+        self.token_budget, self.max_chunk = token_budget, max_chunk
+        self.replay = generate._check_replay(engine.cfg, replay)
+        state = engine.init_cache(rows, max_len)
+        if pool_tokens is not None:
+            state = with_pool(engine.cfg, state, pool_tokens)
+        self.cache = state
+        self.pools = pool_layers(engine.cfg, state)
+        self._blank = engine.init_cache(1, max_len)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._slots: list[_Row | None] = [None] * rows
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._pending: list[Event] = []  # finished without a step (max_new_tokens 0, cancel)
+        self.generated = 0  # output tokens produced so far
+        self.preemptions = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Raise InputError if `req` is malformed or could never be served (needs nothing
+        but the scheduler's sizes: safe to call from any thread)."""
+        req.check(self.engine.cfg.model.vocab_size)
+        need = len(req.prompt) + req.max_new_tokens
+        if need > self.max_len:
+            raise InputError(f"request: prompt ({len(req.prompt)} tokens) + max_new_tokens "
+                             f"({req.max_new_tokens}) = {need} exceeds the cache's "
+                             f"{self.max_len} positions per request")
+        last = max(need - 1, 1)  # the last token drawn is never written
+        for p in self.pools:
+            if p.pages(last) > p.n_pages:
+                raise InputError(f"request: {need} tokens need {int(p.pages(last))} pages in "
+                                 f"layer {p.layer}, whose whole pool has {p.n_pages}")
+
+    def submit(self, req: Request) -> int:
+        """Queue `req` (checked first); return its id."""
+        self.check(req)
+        job = _Job(next(self._ids), req)
+        if req.max_new_tokens == 0:
+            self._pending.append(Event(job.rid, None, Finish.LENGTH))
+        else:
+            self._queue.append(job)
+        return job.rid
+
+    def cancel(self, rid: int) -> None:
+        """End request `rid` now (queued or running); its Event comes with the next step.
+        An unknown or finished id is ignored (it may have just finished)."""
+        for job in self._queue:
+            if job.rid == rid:
+                self._queue.remove(job)
+                self._pending.append(Event(rid, None, Finish.CANCELLED))
+                return
+        rows = [i for i, r in enumerate(self._slots) if r is not None and r.job.rid == rid]
+        if rows:
+            self._clear(rows)
+            self._pending.append(Event(rid, None, Finish.CANCELLED))
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self.active and not self._pending
+
+    def free_rows(self) -> list[int]:
+        """Rows holding no request (their cache rows are the next owners' to clear)."""
+        return [i for i, r in enumerate(self._slots) if r is None]
+
+    def _written(self) -> np.ndarray:
+        return np.array([0 if r is None else r.written for r in self._slots], np.int64)
+
+    def pages_free(self) -> int:
+        """Free pages over every paged layer (0 for a model without pools)."""
+        held = self._written()
+        return int(sum(p.n_pages - p.pages(held).sum() for p in self.pools))
+
+    @property
+    def pages_total(self) -> int:
+        return sum(p.n_pages for p in self.pools)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit, plan, run one compiled step and sample; return its events."""
+        events, self._pending = self._pending, []
+        self._admit()
+        n_new = self._plan()
+        if not n_new.any():
+            return events
+        logits = self._run(n_new)
+        for i, r in enumerate(self._slots):
+            if r is not None:
+                r.written += int(n_new[i])
+        drawing = [i for i, r in enumerate(self._slots)
+                   if r is not None and n_new[i] and r.written == len(r.job.context)]
+        if drawing:
+            events += self._draw(logits, drawing)
+        return events
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until nothing is queued or running; each finished request's output."""
+        out: dict[int, list[int]] = {}
+        while not self.idle:
+            for ev in self.step():
+                out.setdefault(ev.request_id, [])
+                if ev.token is not None:
+                    out[ev.request_id].append(ev.token)
+        return out
+
+    def _held(self, extra: list[int] = ()) -> list[int]:
+        """Pages every layer would hold for each active row's whole context, plus rows of
+        `extra` contexts."""
+        ctx = [len(r.job.context) for r in self._slots if r is not None] + list(extra)
+        return [int(p.pages(np.array(ctx)).sum()) for p in self.pools]
+
+    def _admit(self) -> None:
+        admitted = []
+        while self._queue and None in self._slots:
+            job = self._queue[0]
+            held = self._held([len(job.context)])
+            if any(h > p.n_pages for h, p in zip(held, self.pools)):
+                break  # first come, first served: wait for pages
+            self._queue.popleft()
+            admitted.append(self._slots.index(None))
+            self._slots[admitted[-1]] = _Row(job, next(self._seq))
+        if admitted:  # a fresh row, whatever a free row holds (retirement cleared it too)
+            self._reset(admitted)
+
+    def _chunks(self) -> np.ndarray:
+        """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
+        what the budget leaves."""
+        n = np.zeros(self.rows, np.int32)
+        prefilling = []
+        for i, r in enumerate(self._slots):
+            if r is None:
+                continue
+            left = len(r.job.context) - r.written
+            if left == 1:
+                n[i] = 1
+            else:
+                prefilling.append((r.seq, i, left))
+        budget = self.token_budget - int(n.sum())
+        for _, i, left in sorted(prefilling):
+            take = min(left, self.max_chunk, budget)
+            if self.replay is not None:  # at most R decoder positions per chunk
+                r = self._slots[i]
+                start = max(self._replay_from(r), r.written)
+                take = min(take, max(start - r.written, 0) + self.replay)
+            n[i] = take
+            budget -= take
+        return n
+
+    def _replay_from(self, r: _Row) -> int:
+        """First position the decoder runs on: the last R of the original prompt (decoded
+        positions after it too)."""
+        return len(r.job.req.prompt) - self.replay
+
+    def _plan(self) -> np.ndarray:
+        """This step's tokens per row, after preempting the youngest rows while the pools
+        cannot hold the step's pages."""
+        while True:
+            n = self._chunks()
+            after = self._written() + n
+            short = [p for p in self.pools if p.pages(after).sum() > p.n_pages]
+            if not short:
+                return n
+            live = [(r.seq, i) for i, r in enumerate(self._slots) if r is not None]
+            _, victim = max(live)
+            job = self._slots[victim].job
+            self._clear([victim])
+            self._queue.appendleft(job)  # recomputed from its prompt and output so far
+            self.preemptions += 1
+
+    def _run(self, n_new: np.ndarray):
+        width = int(n_new.max())
+        width = 1 if width == 1 else generate.bucket_length(width, self.max_len)
+        tokens = np.zeros((self.rows, width), np.int32)
+        for i, r in enumerate(self._slots):
+            if r is not None and n_new[i]:
+                tokens[i, : n_new[i]] = r.job.context[r.written: r.written + n_new[i]]
+        replay = self.replay if self.replay is not None and width > 1 else None
+        replay_from = None
+        if replay is not None:
+            replay_from = jnp.asarray([0 if r is None else self._replay_from(r)
+                                       for r in self._slots], jnp.int32)
+        eng = self.engine
+        with eng._on_mesh():
+            logits, self.cache = generate.prefill_program(
+                eng.graph, eng.state, jnp.asarray(tokens), jnp.asarray(n_new), self.cache,
+                replay, replay_from)
+        return logits
+
+    def _draw(self, logits, drawing: list[int]) -> list[Event]:
+        reqs = [None if r is None else r.job.req for r in self._slots]
+        field = lambda f, d: np.array([d if q is None else f(q) for q in reqs])  # noqa: E731
+        steps = np.array([0 if r is None else len(r.job.output) for r in self._slots],
+                         np.int32)
+        toks = programs.sample_rows(logits, jnp.asarray(field(lambda q: q.seed, 0), jnp.int32),
+                                    jnp.asarray(steps),
+                                    jnp.asarray(field(lambda q: q.temperature, 0.0), jnp.float32),
+                                    jnp.asarray(field(lambda q: q.top_p, 1.0), jnp.float32))
+        toks = np.asarray(jax.device_get(toks))
+        generate.check_cache(self.cache)  # a refused row or a dropped page would be a bug here
+        events, done = [], []
+        for i in drawing:
+            job = self._slots[i].job
+            tok, req = int(toks[i]), job.req
+            if req.eos_id is not None and tok == req.eos_id:
+                events.append(Event(job.rid, None, Finish.STOP))
+                done.append(i)
+                continue
+            job.output.append(tok)
+            self.generated += 1
+            finish = (Finish.STOP if req.stops_after(job.output) else
+                      Finish.LENGTH if len(job.output) >= req.max_new_tokens else None)
+            events.append(Event(job.rid, tok, finish))
+            if finish is not None:
+                done.append(i)
+        if done:
+            self._clear(done)
+        return events
+
+    def _clear(self, rows: list[int]) -> None:
+        """Free `rows` now: pages released and local state reset on the device."""
+        for i in rows:
+            self._slots[i] = None
+        self._reset(rows)
+
+    def _reset(self, rows: list[int]) -> None:
+        mask = np.zeros(self.rows, bool)
+        mask[rows] = True
+        self.cache = programs.clear_rows(self.engine.units, self.cache, jnp.asarray(mask),
+                                         self._blank)

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Serve a trained run over HTTP with OpenAI's completions API (continuous batching).
+
+    python scripts/serve.py RUN_DIR [--host 127.0.0.1] [--port 8000] [--rows 8]
+        [--max-len L] [--pool-tokens N] [--token-budget N] [--max-chunk 64] [--replay R]
+        [--step S] [KEY=VALUE ...]
+
+Needs the `serve` extra (pip install -e ".[serve]"). Endpoints: POST /v1/completions
+(prompt, max_tokens, temperature, top_p, stop, stream, seed), GET /health, GET /metrics
+(queue length, active rows, free pages, tokens/s). Any OpenAI client works, e.g.
+``openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``. The server prints
+`serving on http://HOST:PORT` on stderr once it accepts requests.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsattn import cli  # noqa: E402
+
+
+def parser():
+    ap = cli.parser(__doc__, overrides=True)
+    ap.add_argument("run_dir", help="a run directory written by scripts/train.py")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=cli.positive_int, default=8000, help="port (default 8000)")
+    ap.add_argument("--rows", type=cli.positive_int, default=8,
+                    help="requests decoded at once: the batch's rows (default 8)")
+    ap.add_argument("--max-len", type=cli.positive_int, default=None,
+                    help="positions per request, prompt included (default: the model's "
+                         "max_seq_len)")
+    ap.add_argument("--pool-tokens", type=cli.positive_int, default=None,
+                    help="positions each paged layer's pool holds over all rows (default: "
+                         "rows x max-len, never short); smaller pools admit by pages and "
+                         "preempt the youngest row when they run out")
+    ap.add_argument("--token-budget", type=cli.positive_int, default=None,
+                    help="tokens one step runs at most, decoding rows included (default: "
+                         "rows + max-chunk)")
+    ap.add_argument("--max-chunk", type=cli.positive_int, default=64,
+                    help="longest prefill chunk of one request per step, a power of two "
+                         "(default 64)")
+    ap.add_argument("--replay", type=cli.positive_int, default=None,
+                    help="bounded-replay prefill over the last R prompt positions (CED "
+                         "configs; default: exact prefill)")
+    ap.add_argument("--step", type=cli.nonnegative_int, default=None,
+                    help="checkpoint step to load (default: the latest)")
+    return ap
+
+
+def main(argv=None):
+    args = cli.parse(parser(), argv)
+    try:
+        import uvicorn
+
+        from dsattn.serve.app import make_app
+    except ImportError as e:
+        raise SystemExit(f"serve.py: error: {e.name} is missing: pip install -e '.[serve]'")
+    from dsattn import generate, tokenizer
+    from dsattn.serve.runner import Runner
+    from dsattn.serve.scheduler import Scheduler
+
+    model, cfg, step = cli.load_run(args.run_dir, args.step, args.overrides)
+    max_len = args.max_len or cfg.model.max_seq_len
+    sched = Scheduler(generate.Engine(model), args.rows, max_len, pool_tokens=args.pool_tokens,
+                      token_budget=args.token_budget, max_chunk=args.max_chunk,
+                      replay=args.replay)
+    runner = Runner(sched).start()
+    announce = lambda: print(f"serving on http://{args.host}:{args.port} (checkpoint step "  # noqa: E731
+                             f"{step}, {args.rows} rows of {max_len} positions)",
+                             file=sys.stderr, flush=True)
+    app = make_app(runner, tokenizer.for_run(args.run_dir), Path(args.run_dir).name, announce)
+
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,215 @@
+"""Continuous batching's core promise: a request's tokens never depend on which requests
+share its batch or had its pages or its row before. Each request served by the scheduler
+(random arrival steps, prompt lengths and stop points, a pool small enough that pages are
+reused and rows preempted, every released page and every free row's window ring,
+compressor state and position poisoned after each step) equals its own solo
+Engine.generate output, cut where its eos token or stop sequence first appears, for every
+family (float64 models, so rounding cannot flip a draw). The fast tier runs one small mix
+on a 3-layer V4; the full tier every preset and a randomized search."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsattn import generate
+from dsattn.cache.paged import PagedCache
+from dsattn.cache.protocol import is_container
+from dsattn.errors import InputError
+from dsattn.model import layer_caches, with_layer_caches
+from dsattn.serve.request import Finish, Request
+from dsattn.serve.scheduler import Scheduler
+from tests.helpers import tiny_model
+
+FAMILIES = ["mha", "mla", "dsa", "v4", "v41"]
+PAGED = {"dsa", "v4", "v41"}
+ROWS, MAX_LEN, CHUNK = 3, 48, 16
+POOL_TOKENS = 32  # pages for ~1 request of the mix: admission waits, rows are preempted
+SMALL_PAGES = "cache.page_size=4"  # rows of MAX_LEN hold several pages: pools run short
+
+
+def cut(tokens, eos_id=None, stop=()):
+    """(Engine.generate's output with an eos token (not kept) or stop sequences (kept)
+    applied to an uncut solo output, how it finished)."""
+    out = []
+    for t in tokens:
+        if t == eos_id:
+            return out, Finish.STOP
+        out.append(t)
+        if any(tuple(out[-len(s):]) == tuple(s) for s in stop if len(out) >= len(s)):
+            return out, Finish.STOP
+    return out, Finish.LENGTH
+
+
+def solo(eng, req: Request, replay=None):
+    """The request's output run alone: Engine.generate (or, under replay, its host loop
+    over Engine.prefill(replay=...) and decode_step, drawing as generate does), uncut."""
+    if replay is None:
+        # the host loop (on_token): the same tokens as the compiled loop, one program
+        # fewer to compile for greedy and sampled requests together
+        return eng.generate([list(req.prompt)], req.max_new_tokens,
+                            temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                            max_len=MAX_LEN, on_token=lambda row, tok: None)[0]
+    cache = eng.init_cache(1, MAX_LEN)
+    logits, cache = eng.prefill(np.array([req.prompt]), None, cache, replay=replay)
+    key, out = jax.random.PRNGKey(req.seed), []
+    for step in range(req.max_new_tokens):
+        tok = generate.sample(logits, jax.random.fold_in(key, step), req.temperature,
+                              req.top_p)
+        out.append(int(tok[0]))
+        if step + 1 < req.max_new_tokens:
+            logits, cache = eng.decode_step(tok, cache)
+    return out
+
+
+def _rows(mask, a):
+    return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+
+
+@partial(jax.jit, static_argnums=0)
+def poison(cfg, state, free_rows):
+    """`state` with what released pages and free rows (`free_rows` [B]) hold overwritten:
+    every page on a free stack NaN; free rows' local caches (window rings, compressor
+    states, contiguous K/V) NaN, their ring slots claiming positions 0..W-1, their position
+    7. None of it may reach the next owner."""
+    def one(c):
+        if isinstance(c, PagedCache):
+            n = c.n_pages
+            ids = jnp.where(jnp.arange(n) < c.n_free[0], c.free, n)
+            bad = jnp.zeros(n + 1, bool).at[ids].set(True)[:n]
+            nan = lambda a: (jnp.where(_rows(bad, a), jnp.nan, a)  # noqa: E731
+                             if jnp.issubdtype(a.dtype, jnp.floating) else a)
+            return c.replace(pages=jax.tree.map(nan, c.pages))
+        if not is_container(c):
+            return c
+
+        def leaf(a):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                return jnp.where(_rows(free_rows, a), jnp.nan, a)
+            return jnp.where(_rows(free_rows, a), jnp.arange(a.shape[-1], dtype=a.dtype), a)
+
+        return jax.tree.map(leaf, c)
+
+    caches = [jax.tree.map(one, lc, is_leaf=is_container) for lc in layer_caches(cfg, state)]
+    return with_layer_caches(cfg, state, caches).replace(
+        pos=jnp.where(free_rows, 7, state.pos))
+
+
+LONG = 2  # the first requests: long, arriving together, they outgrow the pool decoding
+
+
+def random_mix(rng, n, vocab, sampled: int):
+    """n requests (the last `sampled` ones sampled with their own seed) and arrival steps;
+    the first LONG prompts fill a chunk and run 13 tokens each, all from step 0, so both are
+    admitted and the pool runs out while they decode."""
+    reqs = []
+    for i in range(n):
+        hot = i >= n - sampled
+        length = CHUNK - 1 if i < LONG else rng.randint(1, CHUNK + 1)
+        reqs.append(Request(rng.randint(0, vocab, length).tolist(),
+                            13 if i < LONG else int(rng.randint(1, 14)),
+                            temperature=0.8 if hot else 0.0, top_p=0.9 if hot else 1.0,
+                            seed=int(rng.randint(0, 1000))))
+    arrivals = np.sort(rng.randint(0, 6, n))
+    arrivals[:LONG] = 0
+    return reqs, arrivals
+
+
+def with_stops(rng, req, uncut):
+    """The request with an eos token or a stop sequence drawn from its own uncut output
+    (so it stops early), or unchanged."""
+    kind = rng.randint(3)
+    if kind == 0 or len(uncut) < 2:
+        return req
+    k = rng.randint(1, len(uncut))
+    if kind == 1:
+        return Request(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed,
+                       eos_id=uncut[k])
+    return Request(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed,
+                   stop=(tuple(uncut[k - 1: k + 1]),))
+
+
+def serve(eng, reqs, arrivals, replay=None, poisoned=True):
+    """(each request's output, preemptions, the finish of each) served by one scheduler,
+    request i submitted before step arrivals[i], released pages and free rows poisoned
+    after every step."""
+    s = Scheduler(eng, ROWS, MAX_LEN, pool_tokens=POOL_TOKENS, token_budget=ROWS + CHUNK,
+                  max_chunk=CHUNK, replay=replay)
+    ids, out, finish, step = {}, {}, {}, 0
+    order = list(np.argsort(arrivals, kind="stable"))
+    while order or not s.idle:
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            ids[s.submit(reqs[i])] = i
+        for ev in s.step():
+            i = ids[ev.request_id]
+            out.setdefault(i, [])
+            if ev.token is not None:
+                out[i].append(ev.token)
+            if ev.finish is not None:
+                finish[i] = ev.finish
+        if poisoned:
+            free = np.zeros(ROWS, bool)
+            free[s.free_rows()] = True
+            s.cache = poison(eng.cfg, s.cache, jnp.asarray(free))
+        step += 1
+    return [out.get(i, []) for i in range(len(reqs))], s.preemptions, finish
+
+
+def check_isolation(name, seed, n, sampled, replay=None, overrides=()):
+    eng = generate.Engine(tiny_model(name, SMALL_PAGES, *overrides))
+    rng = np.random.RandomState(seed)
+    reqs, arrivals = random_mix(rng, n, eng.cfg.model.vocab_size, sampled)
+    uncut = [solo(eng, r, replay) for r in reqs]
+    reqs = reqs[:LONG] + [with_stops(rng, r, u) for r, u in zip(reqs[LONG:], uncut[LONG:])]
+    got, preemptions, finish = serve(eng, reqs, arrivals, replay)
+    for i, (r, u) in enumerate(zip(reqs, uncut)):
+        want, why = cut(u, r.eos_id, r.stop)
+        assert got[i] == want, (name, i, r, got[i], want)
+        assert finish[i] is why, (i, finish[i])
+    return preemptions
+
+
+# The fast tier serves a 3-layer V4 (window ring, compressor state and paged pools in one
+# model); every family's preset runs in the full tier (each costs minutes of compiling).
+FAST = {"v4": ("model.n_layers=3", "attention.layers=swa, csa, hca")}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.full)
+                                  for n in FAMILIES])
+def test_each_request_equals_its_solo_generate(name):
+    preemptions = check_isolation(name, seed=1, n=6, sampled=2, overrides=FAST.get(name, ()))
+    if name in PAGED:  # the small pool made rows give their pages back and recompute
+        assert preemptions > 0
+
+
+@pytest.mark.full
+def test_v41_bounded_replay_equals_its_solo_replay_prefill():
+    check_isolation("v41", seed=2, n=5, sampled=1, replay=True)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_random_mixes_equal_their_solo_outputs(name, seed):
+    check_isolation(name, seed, n=10, sampled=4)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("seed", [20, 21])
+def test_random_replay_mixes_equal_their_solo_outputs(seed):
+    check_isolation("v41", seed, n=8, sampled=3, replay=True)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submission():
+    eng = generate.Engine(tiny_model("v4", SMALL_PAGES, *FAST["v4"]))
+    s = Scheduler(eng, ROWS, MAX_LEN, pool_tokens=16, max_chunk=CHUNK)
+    with pytest.raises(InputError, match="exceeds the cache's 48 positions"):
+        s.submit(Request([1] * 40, 9))
+    with pytest.raises(InputError, match="whose whole pool has"):
+        s.submit(Request([1] * 40, 8))  # fits max_len, not the pool
+    with pytest.raises(InputError, match="max_new_tokens must be an integer >= 0"):
+        s.submit(Request([1], -1))
+    assert s.idle and s.queued == 0
