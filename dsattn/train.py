@@ -30,12 +30,13 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsattn import data, flops, progress, rundir, sharding, trainstep
+from dsattn import config, data, flops, progress, rundir, sharding, trainstep
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -232,6 +233,7 @@ class Trainer(Loop):
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
                  progress_every: int | None = None):
         cfg = data.with_source_vocab(cfg)  # a token directory's vocab, before any model
+        warn_short_schedule(cfg)
         mesh = sharding.make_mesh(cfg)
         mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         # locked before anything is read or written; process 0 writes the run's files
@@ -343,6 +345,18 @@ class SeedGroup(Loop):
 
     def run(self, steps: int | None = None) -> list[dict]:
         return self._loop(steps)
+
+
+def warn_short_schedule(cfg: Config) -> None:
+    """A run shorter than its warm-ups or validation interval (config.short_schedule) says so
+    at its start: a preset shrunk with train.steps=N keeps them otherwise silently."""
+    short = config.short_schedule(cfg)
+    if short:
+        warnings.warn(
+            f"train.steps={cfg.train.steps} is shorter than "
+            + ", ".join(f"{k}={v}" for k, v in short)
+            + ": the run ends inside its warm-up or before its first validation; "
+              "train.scale_schedule=true scales them to the run's length (or set them)")
 
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,
