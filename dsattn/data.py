@@ -23,6 +23,7 @@ import glob as _glob
 import os
 import shutil
 import sysconfig
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,19 +392,25 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int, source: Source | None = N
     return Corpus(train, val, vocab_size, desc)
 
 
-def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
-    """`cfg` with model.vocab_size set to a token directory's vocab when the config leaves it at
-    the default (256, bytes); a smaller explicit vocab_size is refused (ConfigError), a larger
-    one kept. Other sources: `cfg` unchanged. Call before a model is built."""
+def with_source_vocab(cfg: config_lib.Config, explicit: bool = False) -> config_lib.Config:
+    """`cfg` with model.vocab_size set to a token directory's vocab, unless `explicit` (the
+    user set model.vocab_size): then a smaller one is refused (ConfigError) and a larger one
+    kept with a warning (its extra rows are never trained). Other sources: `cfg` unchanged.
+    Call before a model is built."""
     path = parse_source(cfg.data.source, resolve=False).token_dir
     if path is None:
         return cfg
     meta = tokendir.read_meta(path)
-    if cfg.model.vocab_size == BYTE_VOCAB and meta["vocab_size"] != BYTE_VOCAB:
+    if not explicit and cfg.model.vocab_size != meta["vocab_size"]:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, vocab_size=meta["vocab_size"]))
         config_lib.validate(cfg)  # e.g. a tensor axis must still divide the vocab
     _check_dir_vocab(meta, cfg.model.vocab_size, cfg.data.source)
+    if cfg.model.vocab_size > meta["vocab_size"]:
+        warnings.warn(f"model.vocab_size={cfg.model.vocab_size} is larger than the "
+                      f"{meta['vocab_size']} tokens of {cfg.data.source!r}'s tokenizer: "
+                      f"{cfg.model.vocab_size - meta['vocab_size']:,} rows of the embedding "
+                      f"are never trained (leave model.vocab_size unset to follow it)")
     return cfg
 
 

@@ -3,6 +3,10 @@
 
     python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet] [--strict]
 
+It prints the run's parameters, vocabulary (a token directory's: its tokenizer's, unless
+model.vocab_size is set), tokens per step and schedule at its start, and the validation loss
+beside the corpus's unigram baseline and in bits per byte at its end.
+
 Rerunning the same command resumes from the run directory's latest checkpoint. The run
 directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
 A resume with another batch size, sequence length, seed or data warns and is recorded in
@@ -18,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli, config, sharding, train  # noqa: E402
+from dsattn import baseline, cli, config, sharding, train  # noqa: E402
 
 
 def main(argv=None):
@@ -34,9 +38,13 @@ def main(argv=None):
     sharding.initialize_distributed()  # before jax touches a device
     cfg = config.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    out = train.train(cfg, run_dir, quiet=args.quiet, strict=args.strict,
-                      progress_every=args.progress_every)
-    print(f"step {out['step']}: validation loss {out['val_loss']:.4f} nats/token "
+    trainer = train.Trainer(cfg, run_dir, quiet=args.quiet, strict=args.strict,
+                            progress_every=args.progress_every, explicit_vocab=(
+                                "model", "vocab_size") in config.overridden_keys(args.overrides))
+    print(trainer.summary(), flush=True)
+    out = trainer.run()
+    print(f"step {out['step']}: validation loss "
+          f"{baseline.compared(out['val_loss'], trainer.corpus, trainer.cfg.data.source)} "
           f"(run directory {run_dir})")
     return out
 
