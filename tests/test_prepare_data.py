@@ -413,3 +413,30 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(prepared, tmp_pa
     (two / "meta.json").write_text(json.dumps(meta))
     c = data.load_corpus(DataConfig(source=str(two), max_bytes=0), meta["vocab_size"])
     np.testing.assert_array_equal(c.train, train)
+
+
+def test_identical_documents_on_both_sides_of_the_split_are_counted(tmp_path, capsys):
+    names = [f"doc{i:02d}.txt" for i in range(40)]
+    val = [n for n in names if data.is_val_file(n, 0.3)]
+    train = [n for n in names if n not in val]
+    src = tmp_path / "corpus"
+    src.mkdir()
+    texts = {n: f"document {n}: " + "words " * (5 + i) for i, n in enumerate(names)}
+    # two validation documents copied under training names (one of them twice)
+    texts[train[0]] = texts[train[1]] = texts[val[0]]
+    texts[train[2]] = texts[val[1]]
+    for n, t in texts.items():
+        (src / n).write_text(t, encoding="utf-8")
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", "-o", tmp_path / "tok",
+                                                  "--vocab-size", "300", "--val-fraction",
+                                                  "0.3"], capsys)
+    assert status == 0
+    (line,) = [e for e in err if "identical" in e]
+    assert f"2 of {len(val)} validation documents" in line
+    # distinct documents: no warning
+    for n in (train[0], train[1], train[2]):
+        (src / n).write_text(f"fresh {n}", encoding="utf-8")
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", "-o", tmp_path / "tok2",
+                                                  "--vocab-size", "300", "--val-fraction",
+                                                  "0.3"], capsys)
+    assert status == 0 and not [e for e in err if "identical" in e]
