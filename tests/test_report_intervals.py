@@ -1,0 +1,56 @@
+"""A sweep report's intervals stay in their metric's range, and every column comparing rows
+has one (dsattn.ablate.results, dsattn.seedstats)."""
+
+import math
+
+import numpy as np
+from scipy import stats
+
+from dsattn import seedstats
+from dsattn.ablate import results
+
+
+def t_half(values):
+    v = np.asarray(values, float)
+    return stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
+
+
+def test_intervals_are_clipped_to_the_metrics_range():
+    recall = [1.0, 1.0, 0.55]  # mean 0.85: t's upper bound would pass 1
+    s = seedstats.summary(recall, (0.0, 1.0))
+    assert np.mean(recall) + t_half(recall) > 1
+    assert s["hi"] == 1.0 and s["lo"] == np.mean(recall) - t_half(recall)
+    loss = [0.05, 0.1, 1.2]
+    s = seedstats.summary(loss, (0.0, math.inf))
+    assert np.mean(loss) - t_half(loss) < 0 and s["lo"] == 0.0
+    d = seedstats.difference([1.0, 1.0, 0.2], [0.0, 0.0, 0.9], (-1.0, 1.0))
+    assert -1.0 <= d["lo"] and d["hi"] <= 1.0
+
+
+def run(row, seed, loss, recall, loss_x2, recall_x2):
+    """A finished run's result as dsattn.ablate saves it: recall at d=4 (within a reach of
+    8) and d=40 (beyond), and again at twice the training length."""
+    return {"row": row, "seed": seed, "val_loss": loss, "params": 1000, "reach": 8,
+            "train_tokens_per_s": 100.0, "decode_ms": None,
+            "recall": {"4": 1.0, "40": recall},
+            "beyond": {"2": {"val_loss": loss_x2, "recall": {"4": 1.0, "40": recall_x2}}}}
+
+
+def test_every_row_comparing_column_has_a_clipped_interval():
+    rs = [run("a", s, lo, r, lx, rx) for s, (lo, r, lx, rx) in enumerate(
+        [(0.05, 1.0, 0.04, 1.0), (0.1, 1.0, 0.1, 1.0), (1.2, 0.55, 1.5, 0.5)])]
+    rs += [run("b", s, 2.0 + s, 0.1 * s, 2.5, 0.1) for s in range(3)]
+    summaries = results.row_summaries(rs)
+    a = summaries["a"]
+    for key in ("val_loss", "val_loss_x2"):
+        assert a[key]["lo"] == 0.0 and a[key]["hi"] > a[key]["mean"]
+    for key in ("recall_beyond", "recall_x2_beyond"):
+        assert a[key]["hi"] == 1.0 and 0 <= a[key]["lo"] < a[key]["mean"]
+    b = summaries["b"]["recall_x2_beyond"]
+    assert (b["lo"], b["hi"]) == (b["mean"], b["mean"]) == (0.1, 0.1) or \
+        abs(b["hi"] - b["lo"]) < 1e-12
+    # the printed table shows the x2 columns' intervals, as computed
+    table = results.table(rs)
+    for key in ("val_loss_x2", "recall_x2_beyond"):
+        m = a[key]
+        assert f"{m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]" in table, key
