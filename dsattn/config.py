@@ -222,11 +222,6 @@ class TrainConfig:
     # Micro-batches per optimizer step (batch_size / grad_accum rows each), their gradients
     # summed in a scan: batch_size stays the step's batch, so only memory changes.
     grad_accum: int = _key(1, Kind.EXECUTION)
-    # True: a run shorter than its preset (train.steps overridden below the file's) scales
-    # warmup_steps, indexer.dense_warmup_steps and eval_every by the same factor, unless
-    # they are overridden too (`scale_schedule`). False: they stay, and a run shorter than
-    # any of them warns at its start (`short_schedule`).
-    scale_schedule: bool = _key(False, Kind.SCHEDULE)
 
 
 @dataclass(frozen=True)
@@ -465,7 +460,9 @@ def apply_overrides(raw: dict, overrides) -> dict:
     return raw
 
 
-def from_dict(raw: dict, overrides=()) -> Config:
+def from_dict(raw: dict, overrides=(), scale_schedule: bool = False) -> Config:
+    """A Config from a raw dict and overrides; `scale_schedule`: a run whose overrides
+    shorten train.steps scales the schedule's other step counts with it (`scale_schedule_of`)."""
     given = raw or {}
     raw = apply_overrides(given, overrides)
     unknown = set(raw) - set(_SECTION_CLASSES) - {"name"}
@@ -484,7 +481,8 @@ def from_dict(raw: dict, overrides=()) -> Config:
     cfg = _fit_depth(cfg, overridden_keys(overrides))
     preset_steps = _coerce((given.get("train") or {}).get("steps", TrainConfig.steps), int,
                            "train.steps")
-    cfg = scale_schedule(cfg, preset_steps, overridden_keys(overrides))
+    if scale_schedule:
+        cfg = scale_schedule_of(cfg, preset_steps, overridden_keys(overrides))
     cfg = _resolve(cfg)
     validate(cfg)
     return cfg
@@ -511,12 +509,12 @@ def short_schedule(cfg: Config) -> list[tuple[str, int]]:
             and (sec != "indexer" or indexed)]
 
 
-def scale_schedule(cfg: Config, preset_steps: int, overridden=frozenset()) -> Config:
-    """With train.scale_schedule, the SCHEDULE_STEPS keys not in `overridden` scaled by
-    train.steps / preset_steps when the run is the shorter (a validation interval at
-    least 1 step)."""
+def scale_schedule_of(cfg: Config, preset_steps: int, overridden=frozenset()) -> Config:
+    """The SCHEDULE_STEPS keys not in `overridden` scaled by train.steps / preset_steps when
+    the run is the shorter (each at least 1 step): a preset's schedule fitted to a short run
+    (scripts/train.py --scale-schedule)."""
     steps = cfg.train.steps
-    if not cfg.train.scale_schedule or not 0 < steps < preset_steps:
+    if not 0 < steps < preset_steps:
         return cfg
     scaled = {}
     for sec, key in SCHEDULE_STEPS:
@@ -574,8 +572,8 @@ def _fit_depth(cfg: Config, overridden: set) -> Config:
                       + " and ".join(fix for _, fix in misfits.values()))
 
 
-def load(path, overrides=()) -> Config:
-    """Load a YAML preset and apply ``key=value`` overrides."""
+def load(path, overrides=(), scale_schedule: bool = False) -> Config:
+    """Load a YAML preset and apply ``key=value`` overrides (`scale_schedule`: from_dict)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -584,7 +582,7 @@ def load(path, overrides=()) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at top level")
     raw.setdefault("name", path.stem)
-    return from_dict(raw, overrides)
+    return from_dict(raw, overrides, scale_schedule)
 
 
 def loads(text: str, overrides=()) -> Config:

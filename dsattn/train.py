@@ -369,7 +369,8 @@ def warn_short_schedule(cfg: Config) -> None:
             f"train.steps={cfg.train.steps} is shorter than "
             + ", ".join(f"{k}={v}" for k, v in short)
             + ": the run ends inside its warm-up or before its first validation; "
-              "train.scale_schedule=true scales them to the run's length (or set them)")
+              "scripts/train.py --scale-schedule scales them to the run's length (or set "
+              "them)")
 
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,

@@ -23,13 +23,13 @@ def test_a_short_run_names_each_schedule_key_it_cannot_reach():
 
 
 def test_scale_schedule_scales_the_keys_left_to_the_preset_by_the_runs_share():
-    cfg = config.load(SMALL_V41, ["train.steps=200", "train.scale_schedule=true"])
+    cfg = config.load(SMALL_V41, ["train.steps=200"], scale_schedule=True)
     # 200 of the preset's 20000 steps: a hundredth of each
     assert (cfg.train.warmup_steps, cfg.indexer.dense_warmup_steps, cfg.train.eval_every) == \
         (10, 5, 10)
     assert config.short_schedule(cfg) == []
-    cfg = config.load(SMALL_V41, ["train.steps=200", "train.scale_schedule=true",
-                                  "train.warmup_steps=50"])
+    cfg = config.load(SMALL_V41, ["train.steps=200", "train.warmup_steps=50"],
+                      scale_schedule=True)
     assert cfg.train.warmup_steps == 50 and cfg.train.eval_every == 10  # the user's kept
     # its saved config reloads as it ran (the run is its own preset then)
     assert config.loads(cfg.to_yaml()) == cfg
@@ -45,4 +45,4 @@ def test_a_trainer_warns_once_at_start_naming_the_keys(tmp_path):
     short = [str(w.message) for w in caught if "train.steps=5" in str(w.message)]
     assert len(short) == 1
     assert "train.warmup_steps=30" in short[0] and "train.eval_every=100" in short[0]
-    assert "train.scale_schedule=true" in short[0]
+    assert "--scale-schedule" in short[0]
