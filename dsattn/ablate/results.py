@@ -201,7 +201,7 @@ def _columns(rows: dict, summaries: dict) -> list[tuple[str, list]]:
     for name, rs in rows.items():
         m, first = summaries[name], rs[0]
         kv, full = first.get("kv") or {}, first.get("kv_full") or {}
-        add("row", name)
+        add("row", name + (" (control)" if first.get("control") else ""))
         add("n", str(len(rs)))
         add("loss", _interval(m["val_loss"], ".4f"))
         for t in times:
@@ -242,6 +242,9 @@ def _notes(rows: dict, left_out: list[str]) -> list[str]:
     kv, full = first.get("kv") or {}, first.get("kv_full") or {}
     out = [f"loss: held-out, {first.get('loss_unit', 'nats per token')}; mean [95% interval "
            f"over seeds, Student's t]"]
+    if any(rs[0].get("control") for rs in rows.values()):
+        out.append("(control): a reference row the others are read against (the sweep "
+                   "file's control: true), kept off pareto.png's front")
     if "reach" in first:
         chance = first.get("recall_chance")
         out.append("reach: tokens back the row's sliding windows reach, n_layers x (window - 1)"

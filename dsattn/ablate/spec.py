@@ -22,7 +22,7 @@ from dsattn.errors import ConfigError
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
               "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
-ROW_KEYS = ("name", "overrides")
+ROW_KEYS = ("name", "overrides", "control")
 
 
 def unknown_key(key: str, valid, what: str) -> ConfigError:
@@ -103,7 +103,10 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
                 raise ConfigError(f"{where}: {e}; a row is {{name: ..., overrides: [...]}}")
         if "name" not in r:
             raise ConfigError(f"{where}: no name; a row is {{name: ..., overrides: [...]}}")
-        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}")))
+        if not isinstance(r.get("control", False), bool):
+            raise ConfigError(f"{where}: control: expected true or false, got {r['control']!r}")
+        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}"),
+                        r.get("control", False)))
     if "grid" in raw:
         rows += _grid_rows(raw["grid"])
     if not rows:
@@ -203,7 +206,8 @@ def from_resolved(raw: dict) -> Sweep:
     """The Sweep a sweep directory's sweep.yaml records (written before its runs train)."""
     fields = {f.name for f in dataclasses.fields(Sweep)}
     raw = {k: v for k, v in raw.items() if k in fields}
-    rows = tuple(Row(r["name"], tuple(r["overrides"])) for r in raw.pop("rows"))
+    rows = tuple(Row(r["name"], tuple(r["overrides"]), r.get("control", False))
+                 for r in raw.pop("rows"))
     out = Path(raw.pop("out"))
     return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},
                  rows=rows, out=out)
@@ -226,6 +230,24 @@ def _warn_long_warmups(sweep: Sweep, cfg) -> None:
             warnings.warn(f"sweep {sweep.name}: {key}={n} is {n / steps:.0%} of train.steps="
                           f"{steps}; warm-ups do not scale with train.steps: scale them with "
                           f"it (docs/ablations/README.md, 'Scaling a recipe')")
+
+
+def select(sweep: Sweep, rows=None, seeds=None) -> Sweep:
+    """The sweep with only these rows (names) and seeds, in the sweep's order (None: all);
+    a name or seed the sweep lacks is a ConfigError naming what it has."""
+    if rows is not None:
+        names = [r.name for r in sweep.rows]
+        for name in rows:
+            if name not in names:
+                raise ConfigError(f"--rows: {unknown_key(name, names, 'row')}")
+        sweep = dataclasses.replace(sweep, rows=tuple(r for r in sweep.rows if r.name in rows))
+    if seeds is not None:
+        for seed in seeds:
+            if seed not in sweep.seeds:
+                raise ConfigError(f"--seeds: no seed {seed}; the sweep's seeds are: "
+                                  f"{', '.join(map(str, sweep.seeds))}")
+        sweep = dataclasses.replace(sweep, seeds=tuple(s for s in sweep.seeds if s in seeds))
+    return sweep
 
 
 def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:

@@ -1,6 +1,7 @@
 """A sweep report's intervals stay in their metric's range, and every column comparing rows
 has one (dsattn.ablate.results, dsattn.seedstats)."""
 
+import importlib
 import math
 
 import numpy as np
@@ -54,3 +55,49 @@ def test_every_row_comparing_column_has_a_clipped_interval():
     for key in ("val_loss_x2", "recall_x2_beyond"):
         m = a[key]
         assert f"{m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]" in table, key
+
+
+def point(x, mean, lo, hi):
+    return {"x": x, "y": {"n": 3, "mean": mean, "lo": lo, "hi": hi}}
+
+
+def test_controls_stay_off_the_pareto_front():
+    plots = importlib.import_module("dsattn.ablate.plots")  # the package's `plots` is a function
+    # a 0-byte control with the lowest loss would be the front's only point
+    pts = [point(0, 0.1, 0.05, 0.15), point(100, 1.0, 0.9, 1.1), point(200, 0.8, 0.7, 0.9),
+           point(300, 0.9, 0.85, 0.95)]
+    assert plots.front_of(pts, [False] * 4)[0] == [0]
+    front, near = plots.front_of(pts, [True, False, False, False])
+    assert front == [1, 2] and 0 not in near and near == [3]
+
+
+def test_a_control_row_is_parsed_kept_and_labelled():
+    from dsattn import ablate
+    sweep = ablate.from_dict(yaml_sweep(), out="/tmp/unused")
+    assert [r.control for r in sweep.rows] == [True, False]
+    rs = [dict(run("full", s, 1.0 + s / 10, 1.0, 1.0, 1.0), control=True) for s in range(2)]
+    rs += [run("csa", s, 1.2 + s / 10, 0.5, 1.3, 0.5) for s in range(2)]
+    rows = [line.split()[:2] for line in results.table(rs).splitlines()[2:4]]
+    assert rows == [["full", "(control)"], ["csa", "2"]]
+
+
+def yaml_sweep():
+    return {"base": "configs/tiny/v4.yaml", "overrides": ["model.n_layers=2"],
+            "rows": [{"name": "full", "control": True, "overrides": ["attention.layers=swa"]},
+                     {"name": "csa", "overrides": ["attention.layers=swa, csa"]}],
+            "seeds": [0, 1, 2]}
+
+
+def test_rows_and_seeds_are_picked_from_the_command_line():
+    import pytest
+
+    from dsattn import ablate
+    from dsattn.errors import ConfigError
+    sweep = ablate.from_dict(yaml_sweep(), out="/tmp/unused")
+    picked = ablate.select(sweep, ["csa"], [2, 0])
+    assert [r.name for r in picked.rows] == ["csa"] and picked.seeds == (0, 2)
+    assert ablate.select(sweep).rows == sweep.rows
+    with pytest.raises(ConfigError, match="did you mean csa"):
+        ablate.select(sweep, ["cs"])
+    with pytest.raises(ConfigError, match="0, 1, 2"):
+        ablate.select(sweep, None, [5])
