@@ -27,6 +27,9 @@ The sweep file (YAML; commented example: examples/csa_ratio_sweep.yaml; docs/abl
   grid: {attention.csa_ratio: [2, 4]}   optional: one more row per combination
   seeds: [0, 1]                      default [0]
   recall: {distances: [2, 16, 62], per_distance: 64, seq_len: 0, through_cache: false}
+  recall_warmup: {steps: 200, dist: 8}   the first 200 steps' facts at most 8 tokens back
+                                     (a recall data.source; its warm_steps=,warm_dist=
+                                     spelling inside data.source still reads the same)
   lengths: [2, 4]                    also evaluated at these multiples of train.seq_len
   decode_context: 4096               decode step timing context (0: none)
   vmap_seeds: true                   a row's seeds as one vmapped model

@@ -101,3 +101,25 @@ def test_rows_and_seeds_are_picked_from_the_command_line():
         ablate.select(sweep, ["cs"])
     with pytest.raises(ConfigError, match="0, 1, 2"):
         ablate.select(sweep, None, [5])
+
+
+def test_the_recall_warmup_has_its_own_key_and_the_old_spelling_reads_the_same():
+    import pytest
+
+    from dsattn import ablate
+    from dsattn.errors import ConfigError
+    source = ("data.source=recall:format=mqar,joint=1,block=64,pairs=8,keys=8,values=16,"
+              "min_dist=2,max_dist=62,length=1000000")
+    raw = {**yaml_sweep(), "overrides": ["model.n_layers=2", "train.seq_len=64",
+                                        "train.steps=1000", source]}
+    new = ablate.from_dict({**raw, "recall_warmup": {"steps": 200, "dist": 8}}, out="/tmp/u")
+    old_spelling = [*raw["overrides"][:-1], source + ",warm_steps=200,warm_dist=8"]
+    old = ablate.from_dict({**raw, "overrides": old_spelling}, out="/tmp/u")
+    for row in new.rows:
+        assert new.config(row, 0) == old.config(row, 0)
+        assert ablate.fingerprint(new, row, 0) == ablate.fingerprint(old, row, 0)
+    corpus_spec = ablate.spec.recall_spec(new.config(new.rows[0], 0))
+    assert (corpus_spec.warm_steps, corpus_spec.warm_dist) == (200, 8)
+    with pytest.raises(ConfigError, match="one place"):  # both spellings at once
+        ablate.from_dict({**raw, "overrides": [source + ",warm_steps=5"],
+                          "recall_warmup": {"steps": 200}}, out="/tmp/u")
