@@ -23,6 +23,7 @@ import enum
 import math
 import re
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import jax
 import yaml
 
 
-from dsattn import datasource, plan
+from dsattn import datasource, depth, plan
 from dsattn.cache import formats
 from dsattn.migrations import RENAMED, upgrade_saved  # noqa: F401  (upgrade_saved re-exported)
 from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
@@ -465,8 +466,11 @@ def apply_overrides(raw: dict, overrides) -> dict:
     return raw
 
 
-def from_dict(raw: dict, overrides=()) -> Config:
-    raw = apply_overrides(raw or {}, overrides)
+def from_dict(raw: dict, overrides=(), scale_schedule: bool = False) -> Config:
+    """A Config from a raw dict and overrides; `scale_schedule`: a run whose overrides
+    shorten train.steps scales the schedule's other step counts with it (`scale_schedule_of`)."""
+    given = raw or {}
+    raw = apply_overrides(given, overrides)
     unknown = set(raw) - set(_SECTION_CLASSES) - {"name"}
     if unknown:
         k = sorted(unknown)[0]
@@ -480,13 +484,102 @@ def from_dict(raw: dict, overrides=()) -> Config:
             raise ConfigError(f"{name}: expected a mapping, got {sec!r}")
         sections[name] = _build_section(cls, sec, name)
     cfg = Config(name=str(raw.get("name", "unnamed")), **sections)
+    cfg = _fit_depth(cfg, overridden_keys(overrides))
+    preset_steps = _coerce((given.get("train") or {}).get("steps", TrainConfig.steps), int,
+                           "train.steps")
+    if scale_schedule:
+        cfg = scale_schedule_of(cfg, preset_steps, overridden_keys(overrides))
     cfg = _resolve(cfg)
     validate(cfg)
     return cfg
 
 
-def load(path, overrides=()) -> Config:
-    """Load a YAML preset and apply ``key=value`` overrides."""
+def overridden_keys(overrides) -> set[tuple[str, str]]:
+    """The (section, key) pairs that ``section.key=value`` overrides set."""
+    return {tuple(ov.split("=", 1)[0].strip().split(".", 1)) for ov in overrides or ()
+            if "=" in ov and "." in ov.split("=", 1)[0]}
+
+
+# The steps a run counts in: each should fit in train.steps (the key, where it applies).
+SCHEDULE_STEPS = (("train", "warmup_steps"), ("indexer", "dense_warmup_steps"),
+                  ("train", "eval_every"))
+
+
+def short_schedule(cfg: Config) -> list[tuple[str, int]]:
+    """The schedule keys (SCHEDULE_STEPS) longer than train.steps: a warm-up the run never
+    finishes (the lr never decays; the indexer's top-k is never trained) or a validation
+    interval it never reaches. The indexer's only where a layer has one."""
+    indexed = any(s.kind.scans_keys for s in plan.resolve(cfg))
+    return [(f"{sec}.{key}", getattr(getattr(cfg, sec), key)) for sec, key in SCHEDULE_STEPS
+            if getattr(getattr(cfg, sec), key) > cfg.train.steps
+            and (sec != "indexer" or indexed)]
+
+
+def scale_schedule_of(cfg: Config, preset_steps: int, overridden=frozenset()) -> Config:
+    """The SCHEDULE_STEPS keys not in `overridden` scaled by train.steps / preset_steps when
+    the run is the shorter (each at least 1 step): a preset's schedule fitted to a short run
+    (scripts/train.py --scale-schedule)."""
+    steps = cfg.train.steps
+    if not 0 < steps < preset_steps:
+        return cfg
+    scaled = {}
+    for sec, key in SCHEDULE_STEPS:
+        value = getattr(getattr(cfg, sec), key)
+        if (sec, key) not in overridden and value:
+            scaled[sec, key] = max(1, round(value * steps / preset_steps))
+    return with_values(cfg, scaled)
+
+
+_DEPTH_KEYS = (("attention", "layers"), ("attention", "ratios"), ("attention", "ced_split"))
+
+
+def _fit_depth(cfg: Config, overridden: set) -> Config:
+    """The per-layer keys (attention.layers, ratios, ced_split) checked together against
+    model.n_layers. An override of model.n_layers alone derives them from the preset's plan
+    (dsattn.depth), warning about the mechanisms N layers cannot keep; any other mismatch
+    is one ConfigError naming every key that does not fit and a plan that does."""
+    a, n = cfg.attention, cfg.model.n_layers
+    written = max(len(a.layers), len(a.ratios))  # the depth the plan is written for
+    misfits = {  # each key that does not fit, with a fix of its own
+        "layers": (f"attention.layers has {len(a.layers)} kinds",
+                   f"model.n_layers={len(a.layers)}"),
+        "ratios": (f"attention.ratios has {len(a.ratios)} ratios",
+                   "attention.ratios=[] (each kind's default ratio)"),
+        "ced_split": (f"attention.ced_split={a.ced_split} is not a layer index in 1..{n - 1}",
+                      "attention.ced_split=0 (off)")}
+    fits = {"layers": len(a.layers) in (1, n), "ratios": len(a.ratios) in (0, 1, n),
+            "ced_split": a.ced_split < n}
+    misfits = {k: v for k, v in misfits.items() if not fits[k]}
+    if not misfits or n < 1:
+        return cfg
+    derived = None
+    if 1 < written and n < written:  # a plan shrinks; a deeper stack is the user's to write
+        try:
+            preset = _resolve(with_values(cfg, {("model", "n_layers"): written}))
+            plan.check(preset)
+            derived = depth.at_depth(preset, n)
+        except ConfigError:
+            pass  # the plan is not valid at its own depth either: no suggestion from it
+    if derived is not None and ("model", "n_layers") in overridden and not (
+            overridden & set(_DEPTH_KEYS)):
+        if derived.dropped:
+            warnings.warn(
+                f"model.n_layers={n}: the preset's {written}-layer plan shrinks to "
+                f"{derived.overrides()}, without {', '.join(derived.dropped)} (model.n_layers"
+                f" >= {derived.keeps_all_from} keeps every mechanism)", stacklevel=3)
+        return with_values(cfg, {("attention", "layers"): derived.layers,
+                                 ("attention", "ratios"): derived.ratios,
+                                 ("attention", "ced_split"): derived.ced_split})
+    what = "; ".join(m for m, _ in misfits.values())
+    if derived:
+        raise ConfigError(f"{what} for model.n_layers={n}: use {derived.overrides()} (the "
+                          f"plan at {n} layers) or set model.n_layers={written}")
+    raise ConfigError(f"{what} for model.n_layers={n}: use "
+                      + " and ".join(fix for _, fix in misfits.values()))
+
+
+def load(path, overrides=(), scale_schedule: bool = False) -> Config:
+    """Load a YAML preset and apply ``key=value`` overrides (`scale_schedule`: from_dict)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -495,7 +588,7 @@ def load(path, overrides=()) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at top level")
     raw.setdefault("name", path.stem)
-    return from_dict(raw, overrides)
+    return from_dict(raw, overrides, scale_schedule)
 
 
 def loads(text: str, overrides=()) -> Config:

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import os
 import sysconfig
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,7 +250,7 @@ def _check_dir_vocab(tokens: int, vocab_size: int, source: str) -> None:
         raise ConfigError(
             f"data.source {source!r}: its tokenizer has {tokens} tokens, more than "
             f"model.vocab_size {vocab_size} (set model.vocab_size >= {tokens}, or "
-            f"leave it at the default {BYTE_VOCAB} to take the tokenizer's)")
+            f"leave it unset to take the tokenizer's)")
 
 
 def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
@@ -346,18 +347,24 @@ def load_corpus(data_cfg: DataConfig, vocab_size: int) -> Corpus:
     return LOADERS[data_cfg.source.kind](data_cfg.source, data_cfg, vocab_size)
 
 
-def with_source_vocab(cfg: config_lib.Config) -> config_lib.Config:
-    """`cfg` with model.vocab_size set to a token directory's vocab when the config leaves it at
-    the default (256, bytes); a smaller explicit vocab_size is refused (ConfigError), a larger
-    one kept. Other sources: `cfg` unchanged. Call before a model is built."""
+def with_source_vocab(cfg: config_lib.Config, explicit: bool = False) -> config_lib.Config:
+    """`cfg` with model.vocab_size set to a token directory's vocab, unless `explicit` (the
+    user set model.vocab_size): then a smaller one is refused (ConfigError) and a larger one
+    kept with a warning (its extra rows are never trained). Other sources: `cfg` unchanged.
+    Call before a model is built."""
     src = cfg.data.source
     if src.vocab_size is None:
         return cfg
-    if cfg.model.vocab_size == BYTE_VOCAB and src.vocab_size != BYTE_VOCAB:
+    if not explicit and cfg.model.vocab_size != src.vocab_size:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, vocab_size=src.vocab_size))
         config_lib.validate(cfg)  # e.g. a tensor axis must still divide the vocab
     _check_dir_vocab(src.vocab_size, cfg.model.vocab_size, src.text)
+    if cfg.model.vocab_size > src.vocab_size:
+        warnings.warn(f"model.vocab_size={cfg.model.vocab_size} is larger than the "
+                      f"{src.vocab_size} tokens of {src.text!r}'s tokenizer: "
+                      f"{cfg.model.vocab_size - src.vocab_size:,} rows of the embedding "
+                      f"are never trained (leave model.vocab_size unset to follow it)")
     return cfg
 
 

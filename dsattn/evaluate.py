@@ -7,9 +7,8 @@ across runs. At the run's own
 train.seq_len, eval_batches and batch_size (and seed = train.seed) this is exactly the
 validation loss training logs. Lengths beyond the training length measure extrapolation.
 
-Losses are in nats per token and bits per token (nats / ln 2); on byte-level corpora (every
-source but .u16/.bin token files and token directories) a token is a byte, so bits per token
-is bits per byte.
+Losses are in nats per token, bits per token (nats / ln 2) and bits per byte (dsattn.baseline:
+a byte-level token is a byte; a token directory records its text bytes per token).
 
 `outputs` is the one evaluation forward: the training loop's validation (dsattn.train),
 `mean_loss` here and recall's predictions (dsattn.recall_eval) all read it, `forward`
@@ -26,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsattn import data, progress
+from dsattn import baseline, data, progress
 from dsattn.errors import InputError
 
 
@@ -106,7 +105,7 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
     n_batches = n_batches or t.eval_batches
     batch_size = batch_size or t.batch_size
     corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
-    byte_level = cfg.data.source.byte_level
+    per_token = baseline.bytes_per_token(cfg.data.source)
     check_lengths(corpus, seq_lens)
     bar = progress.Progress(len(seq_lens) * n_batches, desc=f"eval {cfg.name}", unit="batch",
                             every=progress_every, quiet=quiet)
@@ -117,7 +116,7 @@ def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
         bits = nats / math.log(2)
         rows.append({"seq_len": n, "tokens": n_batches * batch_size * n,
                      "nats_per_token": nats, "bits_per_token": bits,
-                     "bits_per_byte": bits if byte_level else None,
+                     "bits_per_byte": baseline.bits_per_byte(nats, per_token),
                      "trained_seq_len": t.seq_len})
     bar.close()
     return rows

@@ -17,8 +17,10 @@ from scipy import stats
 LEVEL = 0.95
 
 
-def summary(values) -> dict:
-    """{n, mean, std, lo, hi} of a metric's values over seeds (NaN where undefined)."""
+def summary(values, within: tuple[float, float] = (-math.inf, math.inf)) -> dict:
+    """{n, mean, std, lo, hi} of a metric's values over seeds (NaN where undefined), the
+    interval clipped to the range the metric can take (`within`: a loss >= 0, a recall in
+    [0, 1]): t's symmetric interval spills past a bound with few seeds."""
     v = np.asarray([x for x in values if x is not None], float)
     n = len(v)
     if n == 0:
@@ -28,12 +30,14 @@ def summary(values) -> dict:
         return {"n": 1, "mean": mean, "std": math.nan, "lo": math.nan, "hi": math.nan}
     std = float(v.std(ddof=1))
     half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * std / math.sqrt(n)
-    return {"n": n, "mean": mean, "std": std, "lo": mean - half, "hi": mean + half}
+    return {"n": n, "mean": mean, "std": std, "lo": max(mean - half, within[0]),
+            "hi": min(mean + half, within[1])}
 
 
-def difference(a, b) -> dict:
+def difference(a, b, within: tuple[float, float] = (-math.inf, math.inf)) -> dict:
     """Welch's interval for mean(a) - mean(b): {diff, lo, hi, exceeds} where `exceeds` says
-    the interval excludes 0 (None with fewer than two seeds on either side)."""
+    the interval excludes 0 (None with fewer than two seeds on either side); the interval
+    clipped to the range a difference can take (`within`: [-1, 1] for recalls)."""
     a, b = (np.asarray([x for x in v if x is not None], float) for v in (a, b))
     diff = float(a.mean() - b.mean())
     if len(a) < 2 or len(b) < 2:
@@ -44,7 +48,7 @@ def difference(a, b) -> dict:
         return {"diff": diff, "lo": diff, "hi": diff, "exceeds": diff != 0}
     dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = float(stats.t.ppf(0.5 + LEVEL / 2, dof)) * se
-    return {"diff": diff, "lo": diff - half, "hi": diff + half,
+    return {"diff": diff, "lo": max(diff - half, within[0]), "hi": min(diff + half, within[1]),
             "exceeds": bool(diff - half > 0 or diff + half < 0)}
 
 

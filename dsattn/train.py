@@ -30,12 +30,13 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsattn import data, flops, progress, rundir, sharding, trainstep
+from dsattn import config, data, flops, plan, progress, rundir, sharding, trainstep
 from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
@@ -230,8 +231,10 @@ class Trainer(Loop):
     """
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
-                 progress_every: int | None = None):
-        cfg = data.with_source_vocab(cfg)  # a token directory's vocab, before any model
+                 progress_every: int | None = None, explicit_vocab: bool = False):
+        # a token directory's vocab, before any model, unless the user set model.vocab_size
+        cfg = data.with_source_vocab(cfg, explicit_vocab)
+        warn_short_schedule(cfg)
         mesh = sharding.make_mesh(cfg)
         mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         # locked before anything is read or written; process 0 writes the run's files
@@ -257,6 +260,18 @@ class Trainer(Loop):
     @property
     def run_dir(self):
         return self.rundir.path
+
+    def summary(self) -> str:
+        """The run at its start: parameters, vocabulary, tokens per step and the schedule."""
+        cfg, t = self.cfg, self.cfg.train
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        dense = (f", the indexer dense for {cfg.indexer.dense_warmup_steps}"
+                 if any(s.kind.scans_keys for s in plan.resolve(cfg)) else "")
+        return (f"{cfg.name}: {n_params:,} parameters, vocabulary {cfg.model.vocab_size:,}, "
+                f"{t.batch_size * t.seq_len:,} tokens per step ({t.batch_size} x {t.seq_len}); "
+                f"{t.steps} steps from step {self.step}: lr {t.lr:g} after a {t.warmup_steps}-"
+                f"step warm-up, cosine to {t.lr * t.min_lr_ratio:g}{dense}; validation every "
+                f"{t.eval_every}, checkpoints every {t.ckpt_every}")
 
     def batch_at(self, step: int) -> dict:
         t = self.cfg.train
@@ -345,7 +360,21 @@ class SeedGroup(Loop):
         return self._loop(steps)
 
 
+def warn_short_schedule(cfg: Config) -> None:
+    """A run shorter than its warm-ups or validation interval (config.short_schedule) says so
+    at its start: a preset shrunk with train.steps=N keeps them otherwise silently."""
+    short = config.short_schedule(cfg)
+    if short:
+        warnings.warn(
+            f"train.steps={cfg.train.steps} is shorter than "
+            + ", ".join(f"{k}={v}" for k, v in short)
+            + ": the run ends inside its warm-up or before its first validation; "
+              "scripts/train.py --scale-schedule scales them to the run's length (or set "
+              "them)")
+
+
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,
-          strict: bool = False, progress_every: int | None = None) -> dict:
-    return Trainer(cfg, run_dir, quiet=quiet, strict=strict,
-                   progress_every=progress_every).run(steps)
+          strict: bool = False, progress_every: int | None = None,
+          explicit_vocab: bool = False) -> dict:
+    return Trainer(cfg, run_dir, quiet=quiet, strict=strict, progress_every=progress_every,
+                   explicit_vocab=explicit_vocab).run(steps)

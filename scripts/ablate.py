@@ -2,6 +2,7 @@
 """Run an ablation sweep, or redraw a finished one's plots and table.
 
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] [--out DIR] [--quiet]
+        [--rows NAME,NAME] [--seeds 0,1]
     python scripts/ablate.py --report SWEEP_DIR
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] --estimate
 
@@ -19,12 +20,16 @@ The sweep file (YAML; commented example: examples/csa_ratio_sweep.yaml; docs/abl
   base: configs/tiny/v4.yaml         required: the preset every row starts from
   full_size: configs/deepseek/v4_flash.yaml   optional: KV bytes also at full size
   overrides: [train.steps=400, ...]  shared by every row (list or mapping)
-  rows:                              each {name, overrides}
+  rows:                              each {name, overrides}, control: true for a reference
+                                     row (labelled so, kept off pareto.png's front)
     - {name: window, overrides: [attention.layers=swa]}
     - {name: csa_m2, overrides: ["attention.layers=swa, csa", attention.csa_ratio=2]}
   grid: {attention.csa_ratio: [2, 4]}   optional: one more row per combination
   seeds: [0, 1]                      default [0]
   recall: {distances: [2, 16, 62], per_distance: 64, seq_len: 0, through_cache: false}
+  recall_warmup: {steps: 200, dist: 8}   the first 200 steps' facts at most 8 tokens back
+                                     (a recall data.source; its warm_steps=,warm_dist=
+                                     spelling inside data.source still reads the same)
   lengths: [2, 4]                    also evaluated at these multiples of train.seq_len
   decode_context: 4096               decode step timing context (0: none)
   vmap_seeds: true                   a row's seeds as one vmapped model
@@ -47,6 +52,10 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no progress bars (no estimate)")
     ap.add_argument("--estimate", action="store_true",
                     help="print the expected training time and stop")
+    ap.add_argument("--rows", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                    metavar="NAME,NAME", help="only these rows of the sweep (default: all)")
+    ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",") if x.strip()],
+                    metavar="0,1", help="only these of the sweep's seeds (default: all)")
     cli.progress_option(ap, "steps of each run",
                         "none: off a terminal, one line per finished run")
     args = cli.parse(ap, argv)
@@ -57,6 +66,7 @@ def main(argv=None):
         print(f"plots redrawn in {args.report}")
         return None
     sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
+    sweep = ablate.select(sweep, args.rows, args.seeds)
     if args.estimate:
         print(ablate.estimate_line(sweep, ablate.estimate(sweep)))
         return None

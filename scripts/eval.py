@@ -6,7 +6,8 @@
 
 Loads RUN_DIR/config.yaml and the latest (or --step) checkpoint and prints, per length, the
 mean next-token cross-entropy over fixed validation batches in nats per token and bits per
-byte (where tokens are bytes; bits = nats / ln 2). The validation split is that of the run's
+byte (bits = nats / ln 2, over the bytes per token: 1 on bytes, a token directory's from its
+meta.json), then the unigram baseline of the split. The validation split is that of the run's
 data.source, or of --data (a text file or glob, a .u16/.bin token file, or a token directory;
 a run trained on a token directory reads one prepared with the same tokenizer); KEY=VALUE
 overrides such as data.val_fraction=0.5 apply to the run's config (model sections may not
@@ -76,7 +77,7 @@ def warn_overlap(rows, split_tokens: int) -> None:
 
 def main(argv=None):
     args = cli.parse(parser(), argv)
-    from dsattn import checkpoint, data, evaluate  # after parsing: usage errors skip JAX
+    from dsattn import baseline, checkpoint, data, evaluate  # after parsing: usage errors skip JAX
 
     overrides = args.overrides + ([f"data.source={args.data}"] if args.data else [])
     cfg = checkpoint.load_run_config(args.run_dir, overrides)
@@ -96,6 +97,8 @@ def main(argv=None):
     for r in rows:
         bpb = f"{r['bits_per_byte']:.4f}" if r["bits_per_byte"] is not None else "-"
         print(f"{r['seq_len']:>8} {r['tokens']:>9} {r['nats_per_token']:>11.4f} {bpb:>10}")
+    print(f"unigram baseline {baseline.unigram_nats(corpus):.4f} nats/token (a model that "
+          f"ignores context)")
     if args.json:
         args.json.write_text(json.dumps({"run_dir": str(args.run_dir), "step": step,
                                          "data": cfg.data.source.text, "rows": rows}, indent=1))

@@ -2,7 +2,7 @@
 beside model FLOPs per token.
 
     python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out runs/kv_report]
-        [KEY=VALUE ...]
+        [--force] [KEY=VALUE ...]
 
 Prints one row per config (the byte accounting of dsattn.kvbytes; docs/design.md, "Byte
 accounting"): a YAML preset (row named by its config name) or a run directory (its
@@ -11,11 +11,25 @@ csa_m2/seed0). A row may carry its own overrides and name:
 
     python scripts/kv_report.py configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2 \
         configs/deepseek/v4_flash.yaml=csa4     # V4-Flash at m=2 against its own m=4
- "vs" is the reference's storage per token over
-the row's: the first row named mha*, else the largest. The last two columns are model FLOPs
-per token (dsattn.flops; matmuls only, MoE out of scope: the presets' FFN as configured):
-a training step on sequences of --context tokens, and one decode step at --context cached
-tokens (with "attn" their attention and indexer part). Writes into --out:
+
+Columns (N = --context):
+  B/token             global cache bytes one token adds, in the configured cache formats
+  B/token BF16        the same with every native value stored in bf16
+  vs                  the reference's B/token over the row's (the reference: the first row
+                      named mha*, else the largest)
+  local               the sliding-window cache of one sequence (V4 family; "-": none)
+  crossover           the context at which the global cache (B/token x context) is as large
+                      as the window's: below it the window holds most of the memory
+  read/step@N         bytes one decode step reads with N tokens cached, of which
+  KV                  the window and global entries read, and
+  keys                the indexer's search keys read
+  keys %              their share of the step's bytes
+  train FLOP/tok@N    model FLOPs per token of a training step on N-token sequences
+  decode FLOP/tok@N   model FLOPs of one decode step at N cached tokens
+                      (both from dsattn.flops: matmuls only, MoE out of scope, the presets'
+                      FFN as configured; in brackets their attention and indexer part)
+
+Writes into --out (an existing non-empty folder only with --force):
   cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
                       horizontal memory-budget line (--budget-gb, in GiB = 2^30 B; MHA with
                       V2's dimensions, configs/deepseek/mha_v2dims.yaml, needs 480 at 128K)
@@ -39,6 +53,7 @@ except ImportError:  # run from a checkout without installing
 
 from dsattn import checkpoint, cli, flops, kvbytes
 from dsattn.config import load as load_preset
+from dsattn.errors import InputError
 
 GIB = 2**30
 PLOT_MIN, PLOT_MAX = 2**10, 2**20  # 1K .. 1M tokens
@@ -303,9 +318,14 @@ def main(argv=None) -> int:
                     help="config override applied to every config, e.g. attention.top_k=1024 "
                          "(a bare KEY=VALUE does the same)")
     ap.add_argument("--no-plots", action="store_true", help="print and write JSON only")
+    ap.add_argument("--force", action="store_true",
+                    help="overwrite the files of an existing --out folder")
     args = cli.parse(ap, argv)
     overrides = args.override + args.overrides
 
+    if args.out.is_dir() and any(args.out.iterdir()) and not args.force:
+        raise InputError(f"--out {args.out} already holds files (an earlier report?): pass "
+                         f"--force to overwrite them, or another --out")
     rows = build_rows(args.configs, args.context, overrides)
     print(format_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)

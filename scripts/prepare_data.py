@@ -15,7 +15,8 @@ The tokenizer is a byte-level BPE of at most --vocab-size tokens trained here on
 (offline), or the tokenizer.json given by --tokenizer. DIR gets meta.json, a copy of the
 tokenizer and train/val shards of token ids (uint16 when the vocab fits, else uint32), every
 document followed by the --eos token (added to a loaded tokenizer that lacks it). Documents go
-to validation by a stable hash of their name, --val-fraction of them. DIR appears only once
+to validation by a stable hash of their name, --val-fraction of them; a validation document
+whose text (by content hash) is also a training document's is counted in a warning. DIR appears only once
 complete; an existing non-empty DIR needs --force. Then:
 
     python scripts/train.py configs/tiny/v41.yaml data.source=DIR data.max_bytes=0
@@ -23,9 +24,11 @@ complete; an existing non-empty DIR needs --force. Then:
 (model.vocab_size follows the tokenizer; generate.py and eval.py read the run's copy of it).
 """
 
+import hashlib
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,6 +134,22 @@ def dataset_documents(args):
 
 
 # ----------------------------------------------------------------------------- main
+def warn_shared_documents(names, digests, val) -> None:
+    """The split goes by name: the same text under two names may land on both sides, and the
+    validation loss then measures recall of training text. Warn with how many."""
+    train_names = {}
+    for i, d in enumerate(digests):
+        if i not in val:
+            train_names.setdefault(d, names[i])
+    shared = [(names[i], train_names[digests[i]]) for i in sorted(val)
+              if digests[i] in train_names]
+    if shared:
+        v, t = shared[0]
+        warnings.warn(f"{len(shared):,} of {len(val):,} validation documents are identical (by "
+                      f"content hash) to a training document, e.g. {v!r} and {t!r}: the "
+                      f"validation loss partly measures memorised text (remove the copies)")
+
+
 def main(argv=None):
     ap = parser()
     args = cli.parse(ap, argv)
@@ -151,12 +170,14 @@ def main(argv=None):
         paths = match_inputs(args.inputs)
         documents, what = (lambda: file_documents(paths, args.docs)), " ".join(args.inputs)
 
-    # Pass 1: the documents' names (the split) and, unless given, the tokenizer.
-    names = []
+    # Pass 1: the documents' names (the split), their content hashes and, unless given, the
+    # tokenizer.
+    names, digests = [], []
 
     def texts():
         for name, text in documents():
             names.append(name)
+            digests.append(hashlib.sha256(text.encode("utf-8")).digest())
             yield text
 
     if args.tokenizer is not None:
@@ -175,6 +196,7 @@ def main(argv=None):
         val = {len(names) - 1}
     elif len(val) == len(names):
         val.discard(0)
+    warn_shared_documents(names, digests, val)
     added = tok.eos_id is None
     if added:  # a loaded tokenizer without the separator: the copy gets it
         tok.add_special(args.eos)

@@ -2,6 +2,11 @@
 """Train a preset on its data (default: the embedded stdlib corpus).
 
     python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet] [--strict]
+        [--scale-schedule]
+
+It prints the run's parameters, vocabulary (a token directory's: its tokenizer's, unless
+model.vocab_size is set), tokens per step and schedule at its start, and the validation loss
+beside the corpus's unigram baseline and in bits per byte at its end.
 
 Rerunning the same command resumes from the run directory's latest checkpoint. The run
 directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
@@ -18,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli, config, sharding, train  # noqa: E402
+from dsattn import baseline, cli, config, sharding, train  # noqa: E402
 
 
 def main(argv=None):
@@ -29,14 +34,22 @@ def main(argv=None):
     ap.add_argument("--strict", action="store_true",
                     help="refuse to resume with another batch size, sequence length, seed or "
                          "data (the steps would train on other batches than the run's)")
+    ap.add_argument("--scale-schedule", action="store_true",
+                    help="a train.steps override shorter than the preset's scales its "
+                         "warmup_steps, indexer.dense_warmup_steps and eval_every by the same "
+                         "factor (those not overridden too)")
     cli.progress_option(ap)
     args = cli.parse(ap, argv)
     sharding.initialize_distributed()  # before jax touches a device
-    cfg = config.load(args.config, args.overrides)
+    cfg = config.load(args.config, args.overrides, scale_schedule=args.scale_schedule)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    out = train.train(cfg, run_dir, quiet=args.quiet, strict=args.strict,
-                      progress_every=args.progress_every)
-    print(f"step {out['step']}: validation loss {out['val_loss']:.4f} nats/token "
+    trainer = train.Trainer(cfg, run_dir, quiet=args.quiet, strict=args.strict,
+                            progress_every=args.progress_every, explicit_vocab=(
+                                "model", "vocab_size") in config.overridden_keys(args.overrides))
+    print(trainer.summary(), flush=True)
+    out = trainer.run()
+    print(f"step {out['step']}: validation loss "
+          f"{baseline.compared(out['val_loss'], trainer.corpus, trainer.cfg.data.source)} "
           f"(run directory {run_dir})")
     return out
 

@@ -346,7 +346,7 @@ def test_shipped_ratios_report_answers_beyond_the_window(tmp_path):
 def test_a_shrunk_recipe_warns_of_its_unscaled_warmups():
     """The ratios recipe at 400 steps keeps its 200 warm steps: half the run."""
     ratios = os.path.join(ROOT, "configs", "ablations", "ratios.yaml")
-    with pytest.warns(UserWarning, match=r"recall warm_steps=200 is 50% of train.steps=400"):
+    with pytest.warns(UserWarning, match=r"recall_warmup.steps=200 is 50% of train.steps=400"):
         ablate.load(ratios, ["train.steps=400"])
 
 

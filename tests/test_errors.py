@@ -40,7 +40,8 @@ def test_token_outside_vocabulary():
     ("attention.n_kv_heads=3", "attention.n_kv_heads: 3 must divide"),
     ("model.dtype=float8", "model.dtype: 'float8' is not one of"),
     ("cache.main_format=fp9", "cache.main_format: 'fp9' is not one of"),
-    ("attention.layers=mha*3", "3 layer kinds for model.n_layers=4"),
+    ("attention.layers=mha*3", "attention.layers has 3 kinds for model.n_layers=4: use "
+                               "model.n_layers=3"),
 ])
 def test_bad_config_keys_name_the_key(override, needle):
     with pytest.raises(config.ConfigError, match=re.escape(needle)):

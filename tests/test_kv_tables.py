@@ -53,3 +53,38 @@ def test_report_prints_a_table_when_asked(capsys):
     assert "224.00 B as deployed" in lines[1] and len(lines) == 6 + len(cfg.attention.layers)
     assert lines[-4].split()[:4] == ["2", "csa", "4", "96.00"]
     assert kvbytes.report(cfg, 131072) is not None and not capsys.readouterr().out
+
+
+def test_kv_report_refuses_to_overwrite_its_folder_without_force(tmp_path, capsys):
+    import pytest
+
+    from dsattn import cli
+    kv_report = _kv_report()
+    out = tmp_path / "report"
+    argv = [os.path.join(ROOT, "configs", "tiny", "mha.yaml"), "--out", str(out), "--no-plots"]
+    for extra, status in (([], 0), ([], 1), (["--force"], 0)):
+        with pytest.raises(SystemExit) as e:
+            cli.run(kv_report.main, argv + extra)
+        assert e.value.code == status
+        err = capsys.readouterr().err
+        if status:
+            assert "--force" in err and len(err.strip().splitlines()) == 1
+    assert (out / "kv_report.json").exists()
+
+
+def test_kv_report_help_explains_every_column(capsys):
+    import pytest
+    kv_report = _kv_report()
+    rows = kv_report.build_rows([os.path.join(ROOT, "configs", "tiny", "v4.yaml")], 4096)
+    head = kv_report.format_table(rows).splitlines()[0]
+    columns = [c.split("@")[0] for c in head.split("  ") if c.strip()][1:]  # after "config"
+    with pytest.raises(SystemExit):
+        kv_report.main(["--help"])
+    help_text = capsys.readouterr().out
+    columns = ["vs" if c.startswith("vs ") else c.strip().removesuffix(" (attn)")
+               for c in columns]
+    assert len(columns) == 11
+    explained = [line.split("   ")[0].strip().split("@")[0] for line in help_text.splitlines()
+                 if line.startswith("  ") and not line.startswith("   ")]
+    for column in columns:
+        assert column in explained, column  # each begins a line of its own explanation

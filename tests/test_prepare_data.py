@@ -7,14 +7,18 @@ Expectations come from outside the code under test: the documents written here, 
 import hashlib
 import importlib.util
 import json
+import math
+import re
 import subprocess
 import sys
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import tokenizers
+from flax import nnx
 
 from dsattn import cli, config, data
 from dsattn.config import DataConfig
@@ -231,7 +235,8 @@ def test_token_directory_corpus_is_the_shards(prepared):
     assert data.with_source_vocab(cfg).model.vocab_size == meta["vocab_size"]
     big = config.load(ROOT / "configs/tiny/mha.yaml", [f"data.source={out}",
                                                         "model.vocab_size=1024"])
-    assert data.with_source_vocab(big).model.vocab_size == 1024  # room to spare is kept
+    with pytest.warns(UserWarning, match="never trained"):  # an explicit one: room to spare
+        assert data.with_source_vocab(big, explicit=True).model.vocab_size == 1024
     src = config.DataConfig(source=str(out)).source
     assert src.kind is SourceKind.TOKEN_DIR and not src.byte_level
     assert src.tokenizer.read_bytes() == (out / meta["tokenizer"]).read_bytes()
@@ -288,7 +293,42 @@ def run_dir(prepared, tmp_path_factory):
     p = script("train", "configs/tiny/mha.yaml", "--run-dir", run, "--quiet",
                f"data.source={out}", *TINY)
     assert p.returncode == 0, p.stderr.decode()
+    (run.parent / "stdout.txt").write_bytes(p.stdout)
     return run
+
+
+def val_bytes_per_token(src: Path, out: Path) -> float:
+    """The validation documents' UTF-8 bytes over the validation shard's tokens."""
+    text = sum(len(p.read_text(encoding="utf-8").encode()) for p in sorted(src.iterdir())
+               if data.is_val_file(p.name, 0.3))
+    return text / len(shard_tokens(out, "val"))
+
+
+def test_a_run_prints_its_size_at_start_and_its_loss_beside_the_baselines(prepared, run_dir):
+    src, out = prepared
+    first, *_, last = (run_dir.parent / "stdout.txt").read_text().splitlines()
+    model, cfg, _ = cli.load_run(run_dir)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert f"{n_params:,} parameters" in first
+    assert f"vocabulary {json.loads((out / 'meta.json').read_text())['vocab_size']:,}" in first
+    assert "32 tokens per step" in first and "3 steps" in first  # 2 x 16, TINY's
+    val_loss = float(re.search(r"validation loss ([\d.]+) nats/token", last).group(1))
+    unigram = data.unigram_entropy(shard_tokens(out, "val"), cfg.model.vocab_size)
+    assert f"unigram baseline {unigram:.4f}" in last
+    bpb = float(re.search(r"\(([\d.]+) bits/byte\)", last).group(1))
+    assert bpb == pytest.approx(val_loss / math.log(2) / val_bytes_per_token(src, out),
+                                abs=2e-4)
+
+
+def test_the_vocab_follows_the_tokenizer_unless_set(prepared, tmp_path):
+    _, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    preset = tmp_path / "preset.yaml"  # a preset's own vocab (as configs/small's 32768)
+    preset.write_text("model: {vocab_size: 4096}\n")
+    cfg = config.load(preset, [f"data.source={out}"])
+    assert data.with_source_vocab(cfg).model.vocab_size == meta["vocab_size"]
+    with pytest.warns(UserWarning, match="never trained"):  # set by the user: kept, said
+        assert data.with_source_vocab(cfg, explicit=True).model.vocab_size == 4096
 
 
 def test_training_on_a_token_directory_keeps_its_tokenizer(prepared, run_dir):
@@ -312,7 +352,7 @@ def test_generate_encodes_and_decodes_through_the_runs_tokenizer(run_dir):
     assert "[12 tokens" in p.stderr.decode()
 
 
-def test_eval_on_a_token_directory_run(run_dir, tmp_path):
+def test_eval_on_a_token_directory_run(prepared, run_dir, tmp_path):
     rows_file = tmp_path / "rows.json"
     p = script("eval", run_dir, "--seq-len", "16", "--json", rows_file, "--quiet")
     assert p.returncode == 0, p.stderr.decode()
@@ -320,7 +360,9 @@ def test_eval_on_a_token_directory_run(run_dir, tmp_path):
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val_loss = [r["val_loss"] for r in logged if "val_loss" in r][-1]
     assert row["nats_per_token"] == pytest.approx(val_loss, rel=1e-5)
-    assert row["bits_per_byte"] is None  # a token is not a byte here
+    src, out = prepared  # bits per byte from the text bytes meta.json records
+    assert row["bits_per_byte"] == pytest.approx(
+        row["nats_per_token"] / math.log(2) / val_bytes_per_token(src, out), rel=1e-9)
 
 
 def test_eval_refuses_data_of_another_tokenizer(prepared, run_dir, capsys):
@@ -373,3 +415,30 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(prepared, tmp_pa
     (two / "meta.json").write_text(json.dumps(meta))
     c = data.load_corpus(DataConfig(source=str(two), max_bytes=0), meta["vocab_size"])
     np.testing.assert_array_equal(c.train, train)
+
+
+def test_identical_documents_on_both_sides_of_the_split_are_counted(tmp_path, capsys):
+    names = [f"doc{i:02d}.txt" for i in range(40)]
+    val = [n for n in names if data.is_val_file(n, 0.3)]
+    train = [n for n in names if n not in val]
+    src = tmp_path / "corpus"
+    src.mkdir()
+    texts = {n: f"document {n}: " + "words " * (5 + i) for i, n in enumerate(names)}
+    # two validation documents copied under training names (one of them twice)
+    texts[train[0]] = texts[train[1]] = texts[val[0]]
+    texts[train[2]] = texts[val[1]]
+    for n, t in texts.items():
+        (src / n).write_text(t, encoding="utf-8")
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", "-o", tmp_path / "tok",
+                                                  "--vocab-size", "300", "--val-fraction",
+                                                  "0.3"], capsys)
+    assert status == 0
+    (line,) = [e for e in err if "identical" in e]
+    assert f"2 of {len(val)} validation documents" in line
+    # distinct documents: no warning
+    for n in (train[0], train[1], train[2]):
+        (src / n).write_text(f"fresh {n}", encoding="utf-8")
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", "-o", tmp_path / "tok2",
+                                                  "--vocab-size", "300", "--val-fraction",
+                                                  "0.3"], capsys)
+    assert status == 0 and not [e for e in err if "identical" in e]

@@ -59,7 +59,8 @@ def row_facts(sweep: Sweep, row: Row, cfg) -> dict:
     return {"reach": window_reach(cfg), "recall_chance": recall.chance(recall_spec(cfg)),
             "loss_unit": loss_unit(cfg), "kv": kv_figures(cfg),
             "kv_full": kv_figures(full) if full is not None else None,
-            "full_overrides_applied": applied, "full_overrides_skipped": skipped}
+            "full_overrides_applied": applied, "full_overrides_skipped": skipped,
+            "control": row.control}
 
 
 def complete(sweep: Sweep, results: list[dict]) -> list[dict]:

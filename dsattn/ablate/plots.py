@@ -19,6 +19,17 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
+def front_of(points: list[dict], controls: list[bool]) -> tuple[list[int], list[int]]:
+    """(front, near) over `points` ({"x", "y": a seedstats summary}): the Pareto front of the
+    means and the points whose interval reaches it (seedstats.overlaps_front), both among
+    the rows that are not controls: a control is a reference, not a design to choose."""
+    rows = [i for i, control in enumerate(controls) if not control]
+    front = [rows[j] for j in pareto([(points[i]["x"], points[i]["y"]["mean"]) for i in rows])]
+    near = seedstats.overlaps_front([points[i] for i in rows],
+                                    [rows.index(i) for i in front])
+    return front, [rows[j] for j in near]
+
+
 def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
     """The mean over seeds (rows of `runs`) as a line, its 95% interval as a band."""
     st = [seedstats.summary(col) for col in runs.T]
@@ -56,7 +67,8 @@ def plots(out, results: list[dict]) -> list[Path]:
         pts.append({"x": xs[name], "y": y})
         err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
         # a window-only stack stores nothing per token: drawn at 0 on the linear stretch
-        label = name + (" (0 B/token: window ring only)" if xs[name] <= 0 else "")
+        label = name + (" (control)" if rs[0].get("control") else "") + (
+            " (0 B/token: window ring only)" if xs[name] <= 0 else "")
         ax.errorbar(xs[name], y["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
                     label=label)
         b = summaries[name].get("recall_beyond")
@@ -64,10 +76,9 @@ def plots(out, results: list[dict]) -> list[Path]:
             err = None if np.isnan(b["lo"]) else [[b["mean"] - b["lo"]], [b["hi"] - b["mean"]]]
             ax_r.errorbar(xs[name], b["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
                           label=label)
-    front = pareto([(p["x"], p["y"]["mean"]) for p in pts])
-    near = seedstats.overlaps_front(pts, front)
+    front, near = front_of(pts, [bool(rs[0].get("control")) for rs in rows.values()])
     ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
-            label="Pareto front (means)")
+            label="Pareto front (means; controls off it)")
     ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
                facecolors="none", edgecolors="k")
     if near:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -89,8 +90,15 @@ def row_summaries(results: list[dict]) -> dict:
     for name, rs in by_row(results).items():
         runs = [_metrics(r) for r in rs]
         keys = list(dict.fromkeys(k for m in runs for k in m))
-        out[name] = {k: seedstats.summary([m.get(k) for m in runs]) for k in keys}
+        out[name] = {k: seedstats.summary([m.get(k) for m in runs], value_range(k))
+                     for k in keys}
     return out
+
+
+def value_range(metric: str) -> tuple[float, float]:
+    """The values a metric can take: a recall is a fraction, every other one (loss, bytes,
+    tokens/s, ms) is >= 0."""
+    return (0.0, 1.0) if "recall" in metric else (0.0, math.inf)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -193,11 +201,11 @@ def _columns(rows: dict, summaries: dict) -> list[tuple[str, list]]:
     for name, rs in rows.items():
         m, first = summaries[name], rs[0]
         kv, full = first.get("kv") or {}, first.get("kv_full") or {}
-        add("row", name)
+        add("row", name + (" (control)" if first.get("control") else ""))
         add("n", str(len(rs)))
         add("loss", _interval(m["val_loss"], ".4f"))
         for t in times:
-            add(f"loss x{t}", _num(m.get(f"val_loss_x{t}", {}).get("mean"), ".3f"))
+            add(f"loss x{t}", _interval(m.get(f"val_loss_x{t}"), ".3f"))
         add("reach", None if "reach" not in first else
             "all" if first["reach"] is None else str(first["reach"]))
         add("recall<=reach", _interval(m.get("recall_within"), ".3f"))
@@ -205,7 +213,7 @@ def _columns(rows: dict, summaries: dict) -> list[tuple[str, list]]:
         if not known:
             add("recall", _interval(m.get("recall_mean"), ".3f"))
         for t in times:
-            add(f"x{t} recall>reach", _num(m.get(f"recall_x{t}_beyond", {}).get("mean"), ".3f"))
+            add(f"x{t} recall>reach", _interval(m.get(f"recall_x{t}_beyond"), ".3f"))
         add("B/tok", _num(kv.get("storage_bytes_per_token"), ".1f"))
         add("B/tok bf16", _num(kv.get("storage_bf16_bytes_per_token"), ".1f"))
         add("rd 128K", _si(kv.get("read_bytes_128k")))
@@ -234,6 +242,9 @@ def _notes(rows: dict, left_out: list[str]) -> list[str]:
     kv, full = first.get("kv") or {}, first.get("kv_full") or {}
     out = [f"loss: held-out, {first.get('loss_unit', 'nats per token')}; mean [95% interval "
            f"over seeds, Student's t]"]
+    if any(rs[0].get("control") for rs in rows.values()):
+        out.append("(control): a reference row the others are read against (the sweep "
+                   "file's control: true), kept off pareto.png's front")
     if "reach" in first:
         chance = first.get("recall_chance")
         out.append("reach: tokens back the row's sliding windows reach, n_layers x (window - 1)"
@@ -262,7 +273,8 @@ def _compare(a: list[dict], b: list[dict], key: str, label: str, fmt: str,
         vb = [_split(r, "recall", at=at).get(key) for r in b]
         if None in va or None in vb:
             return None
-    d = seedstats.difference(va, vb)
+    d = seedstats.difference(va, vb, (-1.0, 1.0) if key != "val_loss" else
+                             (-math.inf, math.inf))
     verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
                False: "within the seed spread"}[d["exceeds"]]
     shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else
@@ -315,7 +327,7 @@ def _compare_mean(a: list[dict], b: list[dict]) -> str:
 
 def table(results: list[dict]) -> str:
     """The printed report: per row its seeds, loss, reach and recall within and beyond it
-    (mean [95% interval] over seeds), the same past the training length (means), KV bytes
+    (mean [95% interval] over seeds), the same past the training length, KV bytes
     (own config: deployed formats and BF16; full size), params, tokens/s, decode ms; a line
     per unit and per column left out; then rows compared (`comparisons`)."""
     rows, summaries = by_row(results), row_summaries(results)

@@ -20,9 +20,10 @@ from dsattn.errors import ConfigError
 
 
 SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds", "recall",
+              "recall_warmup",
               "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
-ROW_KEYS = ("name", "overrides")
+ROW_KEYS = ("name", "overrides", "control")
 
 
 def unknown_key(key: str, valid, what: str) -> ConfigError:
@@ -103,7 +104,10 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
                 raise ConfigError(f"{where}: {e}; a row is {{name: ..., overrides: [...]}}")
         if "name" not in r:
             raise ConfigError(f"{where}: no name; a row is {{name: ..., overrides: [...]}}")
-        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}")))
+        if not isinstance(r.get("control", False), bool):
+            raise ConfigError(f"{where}: control: expected true or false, got {r['control']!r}")
+        rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}"),
+                        r.get("control", False)))
     if "grid" in raw:
         rows += _grid_rows(raw["grid"])
     if not rows:
@@ -125,7 +129,8 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     for k in rc:
         if k not in RECALL_KEYS:
             raise unknown_key(f"recall.{k}", [f"recall.{x}" for x in RECALL_KEYS], "key")
-    shared = _override_list(raw.get("overrides"), "overrides") + tuple(overrides)
+    shared = _with_recall_warmup(_override_list(raw.get("overrides"), "overrides"),
+                                 raw.get("recall_warmup")) + tuple(overrides)
     decode = raw.get("decode_context", 4096)
     if not isinstance(decode, int) or decode < 0:
         raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
@@ -149,6 +154,35 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
                   through_cache=through_cache,
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
+
+
+WARMUP_KEYS = {"steps": "warm_steps", "dist": "warm_dist"}  # recall_warmup -> data.source
+
+
+def _with_recall_warmup(shared: tuple[str, ...], warmup) -> tuple[str, ...]:
+    """The shared overrides with `recall_warmup: {steps: S, dist: D}` (the first S steps'
+    facts at most D tokens back) written into their recall data.source, as its own
+    warm_steps=S,warm_dist=D would be (that older spelling still reads the same)."""
+    if warmup is None:
+        return shared
+    if not isinstance(warmup, dict) or not warmup:
+        raise ConfigError(f"recall_warmup: expected {{steps: N, dist: D}}, got {warmup!r}")
+    for k, v in warmup.items():
+        if k not in WARMUP_KEYS:
+            raise unknown_key(k, list(WARMUP_KEYS), "recall_warmup key")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"recall_warmup.{k}: expected an integer, got {v!r}")
+    sources = [i for i, o in enumerate(shared) if o.startswith("data.source=recall:")]
+    if not sources:
+        raise ConfigError("recall_warmup: the sweep's overrides set no recall data.source "
+                          "(data.source=recall:...) to warm up")
+    i = sources[-1]
+    spelled = [WARMUP_KEYS[k] for k in warmup if f"{WARMUP_KEYS[k]}=" in shared[i]]
+    if spelled:
+        raise ConfigError(f"recall_warmup: data.source already sets {', '.join(spelled)}; "
+                          f"give the warm-up in one place")
+    extra = ",".join(f"{WARMUP_KEYS[k]}={v}" for k, v in warmup.items())
+    return shared[:i] + (f"{shared[i]},{extra}",) + shared[i + 1:]
 
 
 def recall_spec(cfg) -> recall.RecallSpec | None:
@@ -201,7 +235,8 @@ def from_resolved(raw: dict) -> Sweep:
     """The Sweep a sweep directory's sweep.yaml records (written before its runs train)."""
     fields = {f.name for f in dataclasses.fields(Sweep)}
     raw = {k: v for k, v in raw.items() if k in fields}
-    rows = tuple(Row(r["name"], tuple(r["overrides"])) for r in raw.pop("rows"))
+    rows = tuple(Row(r["name"], tuple(r["overrides"]), r.get("control", False))
+                 for r in raw.pop("rows"))
     out = Path(raw.pop("out"))
     return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},
                  rows=rows, out=out)
@@ -219,11 +254,29 @@ def _warn_long_warmups(sweep: Sweep, cfg) -> None:
     spec = recall_spec(cfg)
     for key, n in (("train.warmup_steps", cfg.train.warmup_steps),
                    ("indexer.dense_warmup_steps", cfg.indexer.dense_warmup_steps),
-                   ("data.source recall warm_steps", spec.warm_steps if spec else 0)):
+                   ("recall_warmup.steps", spec.warm_steps if spec else 0)):
         if n > WARMUP_SHARE * steps:
             warnings.warn(f"sweep {sweep.name}: {key}={n} is {n / steps:.0%} of train.steps="
                           f"{steps}; warm-ups do not scale with train.steps: scale them with "
                           f"it (docs/ablations/README.md, 'Scaling a recipe')")
+
+
+def select(sweep: Sweep, rows=None, seeds=None) -> Sweep:
+    """The sweep with only these rows (names) and seeds, in the sweep's order (None: all);
+    a name or seed the sweep lacks is a ConfigError naming what it has."""
+    if rows is not None:
+        names = [r.name for r in sweep.rows]
+        for name in rows:
+            if name not in names:
+                raise ConfigError(f"--rows: {unknown_key(name, names, 'row')}")
+        sweep = dataclasses.replace(sweep, rows=tuple(r for r in sweep.rows if r.name in rows))
+    if seeds is not None:
+        for seed in seeds:
+            if seed not in sweep.seeds:
+                raise ConfigError(f"--seeds: no seed {seed}; the sweep's seeds are: "
+                                  f"{', '.join(map(str, sweep.seeds))}")
+        sweep = dataclasses.replace(sweep, seeds=tuple(s for s in sweep.seeds if s in seeds))
+    return sweep
 
 
 def run_dir(sweep: Sweep, row: Row, seed: int) -> Path:

@@ -14,6 +14,9 @@ from dsattn import config as config_lib
 class Row:
     name: str
     overrides: tuple[str, ...]
+    # A reference the other rows are read against (e.g. full attention, a window only): its
+    # report row says so and pareto.png keeps it off the front.
+    control: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
