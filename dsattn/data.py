@@ -33,7 +33,6 @@ from dsattn import config as config_lib
 from dsattn.config import DataConfig
 from dsattn.datasource import DataSource, SourceKind
 from dsattn.errors import ConfigError, InputError
-BYTE_VOCAB = config_lib.ModelConfig.vocab_size  # 256: the default model vocab, bytes
 FILE_SEPARATOR = b"\n"  # joins files of a split; byte-level vocab has no spare token
 _HASH_BUCKETS = 10_000
 _EVAL_SEED_BASE = 2**32  # eval batches use seed + this: never a training (seed, step) stream
