@@ -55,7 +55,7 @@ def test_device_check_records_a_spent_budget_and_a_broken_section(tmp_path):
     assert run.returncode == 0
     assert report["skipped"] == ["tests", "bandwidth", "train mha"]
     run, report = device_check(tmp_path, "--tests", "", "--train-presets", "nosuch",
-                               "--decode-presets", "")
+                               "--decode-presets", "", "--sweep-presets", "")
     assert run.returncode == 1  # an error makes the check fail, after writing its report
     (error,) = report["errors"]
     assert error["section"] == "train nosuch" and "nosuch" in error["error"]

@@ -11,7 +11,9 @@ needs nothing beyond jax to read. What counts as a kernel in it:
   named "Stream #..." (the CUDA streams the kernels ran on; the derived "XLA Ops" /
   "XLA Modules" lines are summaries of the same time and are left out);
 - on a CPU, which has no device process, every complete event carrying an ``hlo_op``
-  argument: one XLA thunk (a fusion, a library call, a copy) run on the host's threads.
+  argument: one XLA thunk (a fusion, a library call, a copy) run on the host's threads,
+  except those that enclose others on their thread (a while or conditional thunk, whose
+  body's thunks are events of their own: counting both would count that time twice).
 Events of other programs in the window (the host work around the step) are left out by
 `program`: a substring of the event's ``hlo_module`` argument where the trace carries one.
 The trace files stay where the profiler wrote them (runs/, outside git).
@@ -79,6 +81,21 @@ def kernel_events(evs: list[dict], program: str | None = None) -> list[dict]:
         if program and module is not None and program not in module:
             continue
         out.append(e)
+    return out if devices else _innermost(out)
+
+
+def _innermost(evs: list[dict]) -> list[dict]:
+    """The events that enclose no other event of their thread."""
+    by_thread: dict = {}
+    for e in evs:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    out = []
+    for line in by_thread.values():
+        line.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, nxt in zip(line, line[1:] + [None]):
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if nxt is None or float(nxt["ts"]) >= end:
+                out.append(e)
     return out
 
 
