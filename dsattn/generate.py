@@ -23,9 +23,9 @@ The engine holds the weights it was made with: after training further, make a ne
 compute dtype (`model.dtype`: bfloat16 for configs/small, half the bytes a decode step
 reads), which changes no result since every layer casts them to it where it uses them;
 ``Engine(model, weights_dtype=jnp.float32)`` keeps them in float32 (`held_weights`).
-Caches keep their own formats (cache.formats). ``Engine(model, mesh)`` runs the same programs on a device
-mesh (dsattn.sharding): weights and caches split, caches made in place on their devices,
-decode still compiled once.
+Caches keep their own formats (cache.formats). ``Engine(model, mesh)`` runs the same
+programs on a device mesh (dsattn.sharding): weights and caches split, caches made in place
+on their devices, decode still compiled once.
 
 The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
 ``generate(model, ...)`` make an engine of the model's current weights for the call (they
