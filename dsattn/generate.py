@@ -19,9 +19,13 @@ static argument, so every engine of models of one structure shares them::
     eng.generate(prompts, max_new_tokens, ...)
 
 The engine holds the weights it was made with: after training further, make a new one
-(cheap: nothing compiles again). ``Engine(model, mesh)`` runs the same programs on a device
-mesh (dsattn.sharding): weights and caches split, caches made in place on their devices,
-decode still compiled once.
+(cheap: nothing compiles again). It holds and reads the weight matrices in the model's
+compute dtype (`model.dtype`: bfloat16 for configs/small, half the bytes a decode step
+reads), which changes no result since every layer casts them to it where it uses them;
+``Engine(model, weights_dtype=jnp.float32)`` keeps them in float32 (`held_weights`).
+Caches keep their own formats (cache.formats). ``Engine(model, mesh)`` runs the same
+programs on a device mesh (dsattn.sharding): weights and caches split, caches made in place
+on their devices, decode still compiled once.
 
 The module functions ``prefill(model, ...)``, ``decode_step(model, ...)`` and
 ``generate(model, ...)`` make an engine of the model's current weights for the call (they
@@ -105,7 +109,8 @@ class Engine:
     tiny decode step, so an engine splits once; it keeps the weights it was made with and
     not the model."""
 
-    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None, *,
+                 weights_dtype=None):
         if not isinstance(model, nnx.Module):
             raise InputError(f"Engine: expected an nnx model, got {type(model).__name__}")
         self.cfg = model.cfg
@@ -113,9 +118,20 @@ class Engine:
         # On a mesh of several devices the weights and caches are split (dsattn.sharding)
         # and the programs run under it; None: one device, as always.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        # The dtype the weight matrices are held and read in (`held_weights`): by default
+        # the compute dtype, since every layer casts its matrices to it where it uses them,
+        # so a decode step reading them stored wider reads bytes it then throws away.
+        self.weights_dtype = jnp.dtype(model.cfg.model.dtype if weights_dtype is None
+                                       else weights_dtype)
         graphdef, state = nnx.split(model)
         self.graph = Graph(graphdef)
-        self.state = self._placed(nnx.to_pure_dict(state))
+        self.state = self._placed(nnx.to_pure_dict(held_weights(state, self.weights_dtype)))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as the engine holds them: what each decode step reads."""
+        return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(self.state)))
 
     def _placed(self, state):
         """The weights laid out on the mesh (as they are without one)."""
@@ -297,6 +313,27 @@ class Engine:
             logits, cache = self.decode_step(nxt, cache)
             check_cache(cache)  # cheap: this loop syncs on the sampled tokens anyway
         return outputs
+
+
+def held_weights(state: nnx.State, dtype) -> nnx.State:
+    """`state` with every floating parameter matrix (ndim >= 2: projections, embeddings,
+    the compressors' position biases; all but a few kB of the bytes) in `dtype`. Vectors
+    (norm scales and biases, V4's sink logits) keep their stored dtype: they feed float32
+    islands and weigh nothing. Layers cast matrices to the compute dtype where they use
+    them, so holding them in it changes no result, except a matrix read in a float32 island
+    (the compressors' position bias), which is rounded once. Shapes (an abstract model) stay
+    shapes."""
+
+    def hold(v):
+        x = v.get_value()
+        if not (isinstance(v, nnx.Param) and len(x.shape) >= 2
+                and jnp.issubdtype(x.dtype, jnp.floating)) or x.dtype == dtype:
+            return v
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return v.replace(jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding))
+        return v.replace(x.astype(dtype))
+
+    return jax.tree.map(hold, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 def engine(model: Transformer | Engine) -> Engine:

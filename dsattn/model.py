@@ -168,6 +168,13 @@ class Transformer(nnx.Module):
 
         `step` (the training step) lets layers run a dense warm-up of their selection.
         """
+        h, auxes = self.hidden(tokens, step)
+        return self.sequence_logits(h), auxes
+
+    def hidden(self, tokens, step=None):
+        """The teacher-forced forward up to the final norm: (hidden states [B, T, D],
+        per-layer aux dicts). The training loss unembeds them a block of positions at a time
+        (dsattn.trainstep.blocked_token_nll), never holding [B, T, V] logits."""
         check_tokens(tokens, self.cfg.model.vocab_size)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -189,8 +196,11 @@ class Transformer(nnx.Module):
             # a scanned group rematerialises its scan body itself
             x, aux, ctx = (run if unit.scanned or policy is None else remat)(block, x, ctx)
             auxes.extend(aux if unit.scanned else [aux])
-        logits = self.embedding.logits(self.norm(x))
-        return sharding.constrain(logits, ("batch", "seq", "vocab")), auxes
+        return self.norm(x), auxes
+
+    def sequence_logits(self, h):
+        """Logits [B, T, V] of final hidden states [B, T, D] (rows split as the batch is)."""
+        return sharding.constrain(self.embedding.logits(h), ("batch", "seq", "vocab"))
 
     def __call__(self, tokens):
         return self.forward(tokens)[0]

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from dsattn import sharding
+from dsattn.attention import blocks
 from dsattn.config import Config
 from dsattn.evaluate import outputs, token_nll, weighted_mean
 from dsattn.model import Transformer
@@ -38,12 +39,34 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                     mask=decay_mask))
 
 
-def loss_fn(model: Transformer, batch: dict, step=None):
+# Positions per block of the training loss's unembedding and cross-entropy: at most
+# [B, LOSS_BLOCK, V] float32 logits live at once (configs/small, batch 4: 256 MiB, not the
+# 4 GiB of [4, 8192, 32768]).
+LOSS_BLOCK = 512
+
+
+def blocked_token_nll(model: Transformer, h, targets, block: int | None = LOSS_BLOCK):
+    """Next-token cross-entropy per position [B, T] of final hidden states h [B, T, D]: the
+    unembedding and the cross-entropy of `block` positions at a time, each block rematerialised
+    in the backward pass (blocks.map_queries saves only its inputs), so neither pass holds
+    [B, T, V] logits; the same values and gradients as unembedding all of T at once.
+    `block` None: all of T at once."""
+    def body(start, blk):
+        return token_nll(model.sequence_logits(blk["h"]), blk["targets"]), ()
+
+    if block is None:
+        return body(0, {"h": h, "targets": targets})[0]
+    return blocks.map_queries(body, block, {"h": h, "targets": targets})[0]
+
+
+def loss_fn(model: Transformer, batch: dict, step=None, *, loss_block: int | None = LOSS_BLOCK):
     """Mean next-token cross-entropy plus any auxiliary losses the layers report. With
     batch["weights"] (a corpus with loss weights, e.g. recall format=mqar: answers only) the
-    cross-entropy is the weighted mean over targets."""
-    logits, auxes = model.forward(batch["inputs"], step)
-    ce = weighted_mean(token_nll(logits, batch["targets"]), batch.get("weights"))
+    cross-entropy is the weighted mean over targets. The logits are made `loss_block`
+    positions at a time (`blocked_token_nll`; None: all at once)."""
+    h, auxes = model.hidden(batch["inputs"], step)
+    nll = blocked_token_nll(model, h, batch["targets"], loss_block)
+    ce = weighted_mean(nll, batch.get("weights"))
     metrics = {"ce": ce}
     total = ce
     for name in sorted({k for aux in auxes for k in aux}):

@@ -8,6 +8,8 @@ and (``--peer hf``) the Hugging Face transformers DeepseekV4 model, in one run.
     python scripts/bench.py --mesh [--out runs/bench]
     python scripts/bench.py --long-context [--presets ...] [--lengths 2048,...,65536]
         [--max-step-s 60] [--out runs/bench]
+    python scripts/bench.py --decode-sweep GIB [--presets ...] [--contexts 256,1024]
+        [--max-batch N] [--trace] [--out runs/bench]
     python scripts/bench.py --generate [--presets v4,v41] [--batches 1,8] [--out runs/bench]
     python scripts/bench.py --seeds 4 [--sweep configs/ablations/ratios.yaml]
         [--rows full,csa_m2,hca_m8] [--seed-steps 100] [--out runs/bench]
@@ -38,6 +40,12 @@ residual bytes at 8K tokens, into ``precision.{json,txt}``.
 steps with full-precision keys, captures its indexers' queries and keys on held-out text,
 and counts how much of the full-precision top-k FP8/FP4 keys keep with and without the
 Hadamard rotation (indexer.hadamard), into ``rotation.{json,txt}``.
+
+--decode-sweep GIB instead times decode steps against batch and context: for each preset and
+--contexts, the largest batch whose decode step fits GIB of memory (compiled memory analysis
+at batch 1 and 2), then batch 1, 8, 32, 128, ... up to it (at most --max-batch), each row's
+tokens/s, ms/step and bytes roofline with its share, and (--trace) a jax.profiler breakdown of
+one step at batch 1 and at the largest batch timed, into ``sweep.{json,txt}``.
 
 --generate instead times generate() (64 new tokens after a 16-token prompt, prefill
 included) with its token loop on the device and on the host, alternating, into
@@ -135,6 +143,14 @@ def parse_args(argv=None):
     ap.add_argument("--fit-gib", type=float, default=0, metavar="GIB",
                     help="the largest batch at --lengths whose training step fits GIB of "
                          "device memory, by compiled memory analysis, and stop")
+    ap.add_argument("--decode-sweep", type=float, default=0, metavar="GIB",
+                    help="decode tokens/s against batch (up to what fits GIB) and --contexts, "
+                         "and stop")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="--decode-sweep: the largest batch timed (default: what fits)")
+    ap.add_argument("--trace", action="store_true",
+                    help="--decode-sweep: per-kernel breakdown of one step at batch 1 and at "
+                         "the largest batch timed (traces under --out/traces)")
     ap.add_argument("--generate", action="store_true",
                     help="generate() tokens/s, device vs host token loop, and stop")
     ap.add_argument("--serve", action="store_true",
@@ -228,6 +244,31 @@ def serve_measures(args) -> dict:
     return {"serve": rows}
 
 
+def sweep_measures(args) -> dict:
+    from dsattn.bench import measures, sweep
+
+    plan = sweep.Sweep(contexts=tuple(args.contexts), device_bytes=int(args.decode_sweep * 2**30),
+                       steps=args.steps, warmup=args.warmup, max_batch=args.max_batch)
+    traces = Path(args.out) / "traces"
+    rows = []
+    bw = measures.copy_bandwidth(args.copy_mb << 20)
+    for name in (p for p in args.presets.split(",") if p):
+        cfg = measures.bench_config(name, args.depth, *args.set, config_dir=args.configs)
+
+        def profile(context, batch, largest, name=name):
+            last = min(largest, args.max_batch or largest)
+            wanted = args.trace and batch in (1, last)
+            return traces / f"{name}_{context}_{batch}" if wanted else None
+
+        rows += sweep.run_preset(name, cfg, plan, bw, log=log, profile=profile)
+    text = sweep.table(rows)
+    (Path(args.out) / "sweep.json").write_text(json.dumps(
+        {"copy_bandwidth_bytes_per_s": bw, "rows": rows}, indent=1, default=str))
+    (Path(args.out) / "sweep.txt").write_text(text + "\n")
+    print(text)
+    return {"sweep": rows}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -282,6 +323,8 @@ def main(argv=None) -> dict:
         return generate_measures(args)
     if args.serve:
         return serve_measures(args)
+    if args.decode_sweep:
+        return sweep_measures(args)
     if args.seeds:
         from dsattn import ablate
         from dsattn.bench import seeds

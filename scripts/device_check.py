@@ -2,7 +2,9 @@
 
     python scripts/device_check.py [--out runs/device_check.json] [--budget-s 420]
         [--train-presets mha,mla,dsa,v4,v41] [--decode-presets v4,v41]
-        [--contexts 32768,131072] [KEY=VALUE ...]
+        [--contexts 32768,131072] [--sweep-presets mha,mla,dsa,v4,v41] [--sweep-gib G]
+        [--sweep-max-batch N] [--no-traces] [--command-buffers off,default,loops]
+        [KEY=VALUE ...]
 
 1. the accelerator-only tests: the Pallas kernels compiled for the device (Triton on a GPU,
    Mosaic on a TPU) against their references;
@@ -10,7 +12,16 @@
    8K tokens): tokens/s, model TFLOP/s (dsattn.flops) and MFU against the device's peak;
 3. decode steps of v4 and v41 at 32K and 128K cached tokens against the roofline: the bytes a
    step must read (cache, by dsattn.kvbytes, plus the weights) over the device's measured
-   bandwidth.
+   bandwidth;
+4. the decode sweep (dsattn.bench.sweep): each sweep preset at each context, batch 1, 8, 32,
+   128, ... up to the largest whose decode step fits the device's memory (compiled memory
+   analysis; printed), tokens/s, ms/step, bytes roofline and share, with a jax.profiler
+   breakdown of one step at batch 1 and at the largest batch (kernels per step, time per
+   kernel, kernels per layer; dsattn.bench.trace), and the same breakdown of one training
+   step per preset in section 2. Traces go to runs/device_traces/ (outside git);
+5. on a GPU, an A/B of XLA command buffers (CUDA graphs) for the decode step: the first
+   decode preset at the first context, once per variant of dsattn.bench.device's
+   COMMAND_BUFFERS (off, XLA's default, with loops and conditionals), each in its own process.
 
 Each section runs under the time budget and the report is rewritten after each, so a lease
 that ends early still leaves what was measured. On a CPU the same check runs at tiny sizes
@@ -43,6 +54,14 @@ def main(argv=None):
     ap.add_argument("--train-presets", type=names, default=None)
     ap.add_argument("--decode-presets", type=names, default=None)
     ap.add_argument("--contexts", type=cli.int_list, default=None)
+    ap.add_argument("--sweep-presets", type=names, default=None,
+                    help="decode sweep presets (default all five; '' for none)")
+    ap.add_argument("--sweep-gib", type=float, default=None,
+                    help="memory the sweep's batches may fill (default: 85%% of the device's)")
+    ap.add_argument("--sweep-max-batch", type=int, default=None)
+    ap.add_argument("--no-traces", action="store_true", help="no profiler traces")
+    ap.add_argument("--command-buffers", type=names, default=None,
+                    help="command-buffer variants of the decode A/B on a GPU ('' for none)")
     ap.add_argument("--train-seq", type=int, default=None)
     ap.add_argument("--train-batch", type=int, default=None)
     ap.add_argument("--tests", type=names, default=None,
@@ -56,7 +75,11 @@ def main(argv=None):
     given = {"budget_s": args.budget_s, "configs": args.configs,
              "train_presets": args.train_presets, "decode_presets": args.decode_presets,
              "contexts": args.contexts, "train_seq": args.train_seq,
-             "train_batch": args.train_batch, "tests": args.tests}
+             "train_batch": args.train_batch, "tests": args.tests,
+             "sweep_presets": args.sweep_presets, "sweep_max_batch": args.sweep_max_batch,
+             "sweep_memory": None if args.sweep_gib is None else int(args.sweep_gib * 2**30),
+             "traces": "" if args.no_traces else None,
+             "command_buffers": args.command_buffers}
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
                if v is not None}
     settings = device.Settings.for_backend(jax.default_backend(), ROOT,

@@ -1,15 +1,18 @@
 """The central invariant: prefill + decode_step logits == teacher-forced forward logits, for
-every tiny preset, over a ragged batch, in float64; decode compiles once."""
+every tiny preset, over a ragged batch, in float64; decode compiles once. And the engine's
+bfloat16 inference weights, within a stated bfloat16 tolerance."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dsattn import generate
 from dsattn.bench.compiles import compilations
+from dsattn.model import Transformer
 from tests.helpers import (check_decode_matches_forward, check_two_chunk_prefill, forward,
-                           tiny_model)
+                           preset, tiny_model)
 
 BASELINES = ["mha", "gqa", "mqa", "mla"]
 
@@ -137,3 +140,63 @@ def test_generate_on_the_device_equals_the_host_loop():
     assert device == [cut(out) for out in free]  # a row's draws do not depend on the others
     assert len({len(out) for out in device}) > 1  # rows stopped at different steps
     assert generate.generate(model, prompts, 12, temperature=1.0, top_p=0.9, seed=4) == free
+
+
+# -- bfloat16 inference weights ---------------------------------------------------------
+# Stated tolerance of a bfloat16 decode against another bfloat16 (or a float32) evaluation:
+# 0.03 on logits of magnitude <= ~2.5 (bfloat16 keeps 8 significant bits: one ulp is 2**-7
+# at 1-2; measured differences are 1-2 ulps).
+BF16_ATOL = 0.03
+# mha in the fast tier; v4 (window, CSA/HCA paged caches, sink: minutes to compile here) full.
+BF16_PRESETS = [("mha", ("model.n_layers=1",)),
+                pytest.param("v4", (), marks=pytest.mark.full)]
+
+
+def _engine_logits(eng, toks, lengths, n_decode, max_len=32):
+    """Logits [1 + n_decode, B, V] of a ragged prefill and then the true next tokens."""
+    b, lengths = len(lengths), np.asarray(lengths)
+    logits, cache = eng.prefill(toks[:, : lengths.max()], lengths, eng.init_cache(b, max_len))
+    out = [logits]
+    for s in range(n_decode):
+        logits, cache = eng.decode_step(toks[np.arange(b), lengths + s], cache)
+        out.append(logits)
+    return np.asarray(jnp.stack(out), np.float64)
+
+
+@pytest.mark.parametrize("name, overrides", BF16_PRESETS)
+def test_bf16_weights_decode_matches_the_same_weights_forward(name, overrides):
+    # Parameters stored in bfloat16: the forward and the engine read the same weights.
+    model = Transformer(preset(name, "model.dtype=bfloat16", "model.param_dtype=bfloat16",
+                               *overrides), rngs=nnx.Rngs(0))
+    eng = generate.Engine(model)
+    lengths, n_decode = np.array([3, 12, 9]), 5
+    toks = np.random.RandomState(0).randint(0, 256, (3, 12 + n_decode))
+    got = _engine_logits(eng, toks, lengths, n_decode)
+    full = np.asarray(forward(model, toks), np.float64)
+    want = np.stack([full[np.arange(3), lengths - 1 + s] for s in range(n_decode + 1)])
+    np.testing.assert_allclose(got, want, atol=BF16_ATOL)
+
+
+@pytest.mark.parametrize("name, overrides", BF16_PRESETS)
+def test_bf16_engine_holds_half_the_bytes_and_agrees_with_float32(name, overrides):
+    m16 = Transformer(preset(name, "model.dtype=bfloat16", *overrides), rngs=nnx.Rngs(0))
+    m32 = Transformer(preset(name, "model.dtype=float32", *overrides), rngs=nnx.Rngs(0))
+    held, wide = generate.Engine(m16), generate.Engine(m16, weights_dtype=jnp.float32)
+    # Bytes: matrices at 2 bytes, vectors (norm scales, sinks) at their stored 4.
+    params = jax.tree.leaves(nnx.state(m16, nnx.Param))
+    assert held.weight_bytes == sum(x.size * (2 if x.ndim >= 2 else 4) for x in params)
+    assert wide.weight_bytes == sum(x.size * 4 for x in params)
+    lengths, n_decode = np.array([4, 10]), 4
+    toks = np.random.RandomState(1).randint(0, 256, (2, 10 + n_decode))
+    got = _engine_logits(held, toks, lengths, n_decode)
+    # The layers cast their matrices to bfloat16 where they use them: holding them in it
+    # changes nothing.
+    np.testing.assert_array_equal(got, _engine_logits(wide, toks, lengths, n_decode))
+    # Against float32 compute of the same weights: logits within the tolerance, and the
+    # same greedy token wherever float32's top two are further apart than twice it.
+    ref = _engine_logits(generate.Engine(m32), toks, lengths, n_decode)
+    np.testing.assert_allclose(got, ref, atol=BF16_ATOL)
+    top2 = np.sort(ref, -1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * BF16_ATOL
+    assert clear.mean() > 0.5
+    np.testing.assert_array_equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])

@@ -28,7 +28,8 @@ def device_check(tmp_path, *args):
 @pytest.mark.slow
 def test_device_check_reports_every_section(tmp_path):
     run, report = device_check(tmp_path, "--train-presets", "mha", "--decode-presets", "v4",
-                               "--contexts", "64,256")
+                               "--contexts", "64,256", "--sweep-presets", "mha",
+                               "--sweep-max-batch", "1")
     assert run.returncode == 0, run.stderr[-2000:]
     assert report["environment"]["backend"] == "cpu"
     assert report["tests"]["passed"] == 3 and report["tests"].get("failed", 0) == 0
@@ -47,6 +48,15 @@ def test_device_check_reports_every_section(tmp_path):
         assert row["roofline_ms"] == pytest.approx(
             (row["cache_read_bytes"] + row["weight_bytes"]) / bw * 1e3)
     assert "tokens/s" in run.stdout and "roofline" in run.stdout
+    # The sweep: one row per context at batch 1 (capped), its roofline by definition and a
+    # kernel breakdown of its traced step; the training step's breakdown too.
+    assert [(r["context"], r["batch"]) for r in report["sweep"]] == [(64, 1), (256, 1)]
+    for row in report["sweep"]:
+        assert row["largest_batch"] >= 1
+        assert row["roofline_ms"] == pytest.approx(
+            (row["cache_read_bytes"] + row["weight_bytes"]) / bw * 1e3)
+        assert row["kernels"]["kernels_per_step"] > 0
+    assert train["kernels"]["kernels_per_step"] > 0
     assert report["skipped"] == [] and report["errors"] == []
 
 
@@ -55,7 +65,7 @@ def test_device_check_records_a_spent_budget_and_a_broken_section(tmp_path):
     assert run.returncode == 0
     assert report["skipped"] == ["tests", "bandwidth", "train mha"]
     run, report = device_check(tmp_path, "--tests", "", "--train-presets", "nosuch",
-                               "--decode-presets", "")
+                               "--decode-presets", "", "--sweep-presets", "")
     assert run.returncode == 1  # an error makes the check fail, after writing its report
     (error,) = report["errors"]
     assert error["section"] == "train nosuch" and "nosuch" in error["error"]

@@ -26,11 +26,26 @@ from flax import nnx
 
 from dsattn import config as config_lib
 from dsattn import flops
-from dsattn.bench import measures
+from dsattn.bench import measures, sweep, trace
 from dsattn.model import Transformer
 
 # Tests that only a GPU or TPU runs in full (their compiled-kernel cases skip elsewhere).
 DEVICE_TESTS = ("tests/test_kernels.py", "tests/test_indexer_impl.py")
+
+
+# XLA:GPU command buffers (CUDA graphs): the kinds of ops a compiled program records into one
+# graph launched at once, instead of one launch per kernel (the launch cost that bounds a
+# small decode step). XLA reads XLA_FLAGS when its backend starts, so each variant of the A/B
+# runs in its own process. "loops" also records while loops and conditionals (generate's
+# on-device token loop, lax.cond) and graphs of any size. The profiler switches command
+# buffers off while it traces (xla_enable_command_buffers_during_profiling), so a trace's
+# kernel count is the op-by-op program's.
+COMMAND_BUFFERS = {
+    "off": "--xla_gpu_enable_command_buffer=",
+    "default": "",
+    "loops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
+             "--xla_gpu_graph_min_graph_size=1",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +64,29 @@ class Settings:
     tests: tuple[str, ...] = DEVICE_TESTS
     overrides: tuple[str, ...] = ()  # for every preset
     budget_s: float = 420.0  # the whole check; a section past it records what it skipped
+    # The decode sweep (dsattn.bench.sweep): each preset at each of `contexts`, batch 1, 8,
+    # 32, 128, ... up to the largest that fits `sweep_memory` bytes (None: 85% of the
+    # device's own limit), at most `sweep_max_batch`; one step traced at batch 1 and at the
+    # largest timed, and one training step per preset, into `traces` (outside git).
+    sweep_presets: tuple[str, ...] = ()  # for_backend: all five
+    sweep_memory: int | None = None
+    sweep_max_batch: int | None = None
+    sweep_steps: int = 5
+    traces: str = ""  # directory of the profiler traces ("": no traces)
+    # The decode step of the first decode preset at the first context under each
+    # COMMAND_BUFFERS variant, each in its own process (a GPU only; () for none).
+    command_buffers: tuple[str, ...] = tuple(COMMAND_BUFFERS)
 
     @classmethod
     def for_backend(cls, backend: str, root: Path, **changes) -> "Settings":
+        common = dict(traces=str(root / "runs" / "device_traces"),
+                      sweep_presets=("mha", "mla", "dsa", "v4", "v41"))
         if backend == "cpu":
             base = cls(configs=str(root / "configs" / "tiny"), train_seq=128, train_batch=2,
-                       train_steps=2, contexts=(256, 1024), decode_steps=3, budget_s=600.0)
+                       train_steps=2, contexts=(256, 1024), decode_steps=3, budget_s=600.0,
+                       sweep_memory=64 << 20, sweep_max_batch=8, sweep_steps=2, **common)
         else:
-            base = cls(configs=str(root / "configs" / "small"))
+            base = cls(configs=str(root / "configs" / "small"), **common)
         return dataclasses.replace(base, **changes)
 
 
@@ -94,14 +124,20 @@ def preset(settings: Settings, name: str, *extra: str):
                            [*settings.overrides, *extra])
 
 
+def _trace_dir(settings: Settings, what: str):
+    return Path(settings.traces) / what if settings.traces else None
+
+
 def train_preset(settings: Settings, name: str, peak: float | None) -> dict:
     """A few training steps: tokens/s after the compiling step, model TFLOP/s from the layer
-    plan's FLOPs (dsattn.flops), MFU against `peak`, and the device's peak memory."""
+    plan's FLOPs (dsattn.flops), MFU against `peak`, the device's peak memory, and one more
+    step's per-kernel breakdown (dsattn.bench.trace) where `settings.traces` is set."""
     cfg = preset(settings, name, f"train.seq_len={settings.train_seq}",
                  f"train.batch_size={settings.train_batch}",
                  f"model.max_seq_len={max(settings.train_seq, 1)}")
     got = measures.time_training(cfg, settings.train_seq, settings.train_batch,
-                                 steps=settings.train_steps)
+                                 steps=settings.train_steps,
+                                 trace_dir=_trace_dir(settings, f"train_{name}"))
     per_token = flops.train_flops_per_token(cfg, settings.train_seq)
     tflops = got["tokens_per_s"] * per_token / 1e12
     return {"preset": name, "dtype": cfg.model.dtype,
@@ -152,6 +188,57 @@ def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]
     return rows
 
 
+def sweep_memory(settings: Settings) -> int:
+    """Bytes the decode sweep may fill: the setting, else 85% of the device's limit (the
+    rest for the synthetic contexts' construction and the allocator)."""
+    if settings.sweep_memory is not None:
+        return settings.sweep_memory
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise RuntimeError("device check: the device reports no memory limit; set "
+                           "sweep_memory")
+    return int(0.85 * limit)
+
+
+def sweep_preset(settings: Settings, name: str, context: int, bandwidth: float,
+                 log=print) -> list[dict]:
+    """The decode sweep of one preset at one context (dsattn.bench.sweep), one step traced at
+    batch 1 and at the largest batch timed."""
+    trained = preset(settings, name).train.seq_len
+    cfg = preset(settings, name, f"model.max_seq_len={max(context + 64, trained)}")
+    plan = sweep.Sweep(contexts=(context,), device_bytes=sweep_memory(settings),
+                       steps=settings.sweep_steps, max_batch=settings.sweep_max_batch)
+
+    def profile(context, batch, largest):
+        last = min(largest, settings.sweep_max_batch or largest)
+        return (_trace_dir(settings, f"decode_{name}_{context}_{batch}")
+                if batch in (1, last) else None)
+
+    return sweep.run_preset(name, cfg, plan, bandwidth, log=log, profile=profile)
+
+
+def command_buffers_run(settings: Settings, root: Path, variant: str, timeout_s: float) -> dict:
+    """The decode step of the first decode preset at the first context, in a fresh process
+    whose XLA_FLAGS add COMMAND_BUFFERS[variant]: its row of the decode section."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
+                                          + COMMAND_BUFFERS[variant]).strip())
+        cmd = [sys.executable, str(root / "scripts" / "device_check.py"), "--tests", "",
+               "--train-presets", "", "--sweep-presets", "", "--no-traces",
+               "--decode-presets", settings.decode_presets[0],
+               "--contexts", str(settings.contexts[0]), "--configs", settings.configs,
+               "--out", str(out), *settings.overrides]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if not out.exists() or not json.loads(out.read_text())["decode"]:
+            raise RuntimeError(f"command buffers {variant}: no decode row "
+                               f"(rc {run.returncode}): {run.stderr[-1500:]}")
+        row = json.loads(out.read_text())["decode"][0]
+    return {"variant": variant, "xla_flags": COMMAND_BUFFERS[variant], **row}
+
+
 def check(settings: Settings, root: Path, log=print, save=lambda report: None,
           clock=time.perf_counter) -> dict:
     """Every section in turn, each recorded as it finishes (and handed to `save`, so a run cut
@@ -160,7 +247,8 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
     t_start = clock()
     left = lambda: settings.budget_s - (clock() - t_start)  # noqa: E731
     report = {"settings": dataclasses.asdict(settings), "environment": environment(),
-              "tests": None, "train": [], "decode": [], "skipped": [], "errors": []}
+              "tests": None, "train": [], "decode": [], "command_buffers": [], "sweep": [],
+              "skipped": [], "errors": []}
     peak = report["environment"]["peak_tflops"]
     took = {}  # seconds the last section of each kind ("train", "decode", ...) took
 
@@ -191,20 +279,36 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
         report["tests"] = attempt("tests", lambda: run_tests(
             settings.tests, root, timeout_s=max(left() * share, 30)))
         record()
-    if settings.decode_presets:
+    bw = None
+    if settings.decode_presets or settings.sweep_presets:
         bw = attempt("bandwidth", lambda: device_bandwidth(
             1 << 30 if jax.default_backend() != "cpu" else 1 << 26))
         report["bandwidth_bytes_per_s"] = bw
+    if settings.decode_presets:
         for name in settings.decode_presets if bw else ():
             rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw),
                            needs=took.get("decode", 0.0))
             report["decode"].extend(rows or [])
             record()
+    on_gpu = jax.default_backend() == "gpu"
+    for variant in settings.command_buffers if on_gpu and settings.decode_presets else ():
+        row = attempt(f"command_buffers {variant}", lambda: command_buffers_run(
+            settings, root, variant, timeout_s=max(left(), 30)),
+            needs=took.get("command_buffers", 0.0))
+        report["command_buffers"].extend([row] if row else [])
+        record()
     for name in settings.train_presets:
         row = attempt(f"train {name}", lambda: train_preset(settings, name, peak),
                       needs=took.get("train", 0.0))
         report["train"].extend([row] if row else [])
         record()
+    for name in settings.sweep_presets if bw else ():
+        for context in settings.contexts:
+            rows = attempt(f"sweep {name} {context}",
+                           lambda: sweep_preset(settings, name, context, bw, log),
+                           needs=took.get("sweep", 0.0))
+            report["sweep"].extend(rows or [])
+            record()
     record()
     return report
 
@@ -234,6 +338,16 @@ def summary(report: dict) -> str:
                      f"roofline {r['roofline_ms']:.3f} ms ({r['of_roofline']:.1%} of it; "
                      f"{r['cache_read_bytes'] / 1e6:.2f} MB cache + "
                      f"{r['weight_bytes'] / 1e6:.1f} MB weights)")
+    for r in report.get("command_buffers", []):
+        lines.append(f"command buffers {r['variant']:>7}: decode {r['preset']} at "
+                     f"{r['context']:,}: {r['step_ms']:.3f} ms/step")
+    if report.get("sweep"):
+        lines.append(sweep.table(report["sweep"]))
+    for r in report["train"] + report.get("sweep", []):
+        if r.get("kernels"):
+            where = (f"train {r['preset']}" if "seq_len" in r
+                     else f"decode {r['preset']} at {r['context']:,}, batch {r['batch']}")
+            lines.append(f"kernels, {where}: " + trace.table(r["kernels"]))
     for what in report["skipped"]:
         lines.append(f"skipped: {what} (time budget)")
     for e in report["errors"]:

@@ -65,9 +65,9 @@ def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
             compile: bool = True) -> dict:
     """Sizes of a full-size program, with kvbytes' figure for the same cache."""
     low, cache = lowered(cfg, batch, max_len, chunk)
-    params = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     out = {"program": "decode" if chunk is None else f"prefill {chunk}", "batch": batch,
-           "max_len": max_len, "param_bytes": nbytes(nnx.state(params, nnx.Param)),
+           "max_len": max_len,
+           "param_bytes": abstract_engine(cfg).weight_bytes,  # as the programs read them
            "cache_value_bytes": cache_value_bytes(cache),
            "kvbytes_cache_bytes": batch * kvbytes.global_bytes(cfg, max_len)
            + batch * kvbytes.local_bytes(cfg, context=max_len),

@@ -24,11 +24,15 @@ from flax import nnx
 
 from dsattn import config as config_lib
 from dsattn import data, flops, generate, kvbytes, plan
+from dsattn.bench import trace
 from dsattn.bench.compiles import compilations
 from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer, layer_caches, with_layer_caches
 
 PRESETS = ("mha", "mla", "dsa", "v4", "v41")
+# The compiled programs' names in a profiler trace (their events' hlo_module)
+DECODE_PROGRAM = "_decode_impl"
+TRAIN_PROGRAM = "update"
 
 
 def bench_config(name: str, depth: int | None, *overrides: str, config_dir):
@@ -88,12 +92,14 @@ def _median_ms(times) -> float:
 
 
 def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
-                warmup: int = 2, max_len: int | None = None) -> dict:
+                warmup: int = 2, max_len: int | None = None, trace_dir=None) -> dict:
     """Median decode step (ms) with `context` tokens cached per row; first-call time and the
     number of decode programs compiled for it. `max_len`: the cache's capacity (default just
-    enough), so several contexts can share one compiled step."""
+    enough), so several contexts can share one compiled step. `trace_dir`: one more step
+    traced by jax.profiler into it, its per-kernel breakdown under "kernels"
+    (dsattn.bench.trace)."""
     eng = generate.engine(model)
-    need = context + warmup + steps + 1
+    need = context + warmup + steps + 1 + (trace_dir is not None)
     if max_len is not None and max_len < need:
         raise ValueError(f"time_decode: max_len={max_len} holds fewer than the {need} "
                          f"positions {context} cached tokens and the timed steps need")
@@ -124,11 +130,19 @@ def time_decode(model: Transformer, context: int, batch: int, steps: int = 10,
         logits, cache = step(tok, cache)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
+    extra = {}
+    if trace_dir is not None:
+        tok = jnp.argmax(logits, -1).astype(jnp.int32).block_until_ready()
+        with trace.capture(trace_dir) as where:
+            logits, cache = step(tok, cache)
+            logits.block_until_ready()
+        extra["kernels"] = trace.kernels(where.file, model.cfg.model.n_layers,
+                                         program=DECODE_PROGRAM)
     generate.check_cache(cache)
     ms = _median_ms(times)
     return {"step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
             "first_call_s": first, "compile_s": max(first - ms / 1e3, 0.0),
-            "compilations": compiled}
+            "compilations": compiled, **extra}
 
 
 def time_generate(model: Transformer, batch: int, new_tokens: int = 64, prompt: int = 16,
@@ -203,10 +217,11 @@ def time_prefill(model: Transformer, n: int, replay=None,
             "evaluations": generate.evaluations(cache)}
 
 
-def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
+def time_training(cfg, seq_len: int, batch: int, steps: int = 3, trace_dir=None) -> dict:
     """Training tokens/s (forward, backward, AdamW update) at `seq_len` after one step, and
     what that is in model FLOPs (dsattn.flops): per token, TFLOP/s, and MFU where the
-    device's peak is known."""
+    device's peak is known. `trace_dir`: one more step traced by jax.profiler into it, its
+    per-kernel breakdown under "kernels" (dsattn.bench.trace)."""
     from dsattn.train import Trainer
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len,
@@ -215,7 +230,7 @@ def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
         tr = Trainer(cfg, run_dir, quiet=True)
         batches = [{k: jnp.asarray(v) for k, v in
                     data.batch_at(tr.corpus.train, s, batch, seq_len, cfg.train.seed).items()}
-                   for s in range(steps + 1)]
+                   for s in range(steps + 1 + (trace_dir is not None))]
         t0 = time.perf_counter()
         m = tr.train_step(batches[0], 0)
         jax.block_until_ready(m)
@@ -226,11 +241,17 @@ def time_training(cfg, seq_len: int, batch: int, steps: int = 3) -> dict:
             m = tr.train_step(batches[s], s)
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
+        extra = {}
+        if trace_dir is not None:
+            with trace.capture(trace_dir) as where:
+                jax.block_until_ready(tr.train_step(batches[-1], steps + 1))
+            extra["kernels"] = trace.kernels(where.file, cfg.model.n_layers,
+                                             program=TRAIN_PROGRAM)
         rate = flops.TrainingRate(cfg, 1 if tr.mesh is None else tr.mesh.size)
     step = float(np.median(times))
     tokens_per_s = batch * seq_len / step
     return {"step_s": step, "tokens_per_s": tokens_per_s, "first_call_s": first,
-            "train_flops_per_token": rate.per_token, **rate.record(tokens_per_s)}
+            "train_flops_per_token": rate.per_token, **rate.record(tokens_per_s), **extra}
 
 
 def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -253,4 +274,7 @@ def decode_bytes(cfg, context: int, batch: int) -> int:
 
 
 def param_bytes(model: Transformer) -> int:
-    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    """Bytes a decode step reads of the model's weights: as its engine holds them (matrices
+    in the compute dtype, generate.held_weights), not as training stores them."""
+    state = generate.held_weights(nnx.state(model, nnx.Param), jnp.dtype(model.cfg.model.dtype))
+    return int(sum(x.nbytes for x in jax.tree.leaves(state)))
