@@ -234,7 +234,6 @@ class Trainer(Loop):
                  progress_every: int | None = None, explicit_vocab: bool = False):
         # a token directory's vocab, before any model, unless the user set model.vocab_size
         cfg = data.with_source_vocab(cfg, explicit_vocab)
-        warn_short_schedule(cfg)
         mesh = sharding.make_mesh(cfg)
         mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         # locked before anything is read or written; process 0 writes the run's files
@@ -245,7 +244,9 @@ class Trainer(Loop):
             step, restored = self.rundir.restore(strict=strict, params=params,
                                                  opt_state=opt_state)
             changed = {}
-            if step is not None:
+            if step is None:  # a fresh run: said once, not again at every resume
+                warn_short_schedule(cfg)
+            else:
                 params, opt_state = step_fn.place(restored["params"], restored["opt_state"])
                 changed = self.rundir.resume_changes(step, strict)
             self.rundir.start(step or 0, changed)
