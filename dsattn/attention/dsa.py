@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import indexer, reads
-from dsattn.attention.common import masked_softmax
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.mla import MLA
 from dsattn.attention.selectors import IndexerSelector
@@ -51,15 +50,9 @@ class DSA(MLA):
         return indexer.rotated(k, self.rotate_keys)
 
     def _attend(self, q_nope, q_pe, positions, valid, read, target=None):
-        """Absorbed MLA over the items `read` names, by query blocks (reads.attend_blocks):
-        each block gathers only its queries' top-k latents."""
-        def one(start, q_blk, pos, items):
-            lat, mask = items
-            p = masked_softmax(self.absorbed_scores(*q_blk, lat), mask)
-            return self.absorbed_output(p, lat), p.sum(axis=1)
-
-        return reads.attend_blocks(one, self.query_block, (q_nope, q_pe), positions, valid,
-                                   read, self.dtype, target)
+        """Absorbed MLA over the items `read` names (attend.attend): the reference gathers
+        each query block's top-k latents only."""
+        return self.absorbed((q_nope, q_pe), positions, valid, (read,), target)
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         cq = self.query_latent(x)

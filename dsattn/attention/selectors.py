@@ -21,7 +21,6 @@ from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.context import Selection
 from dsattn.plan import LayerSpec, Selector
 
-KERNELS = ("pallas_tpu", "pallas_gpu")
 SELECTION = "indexer_selection"  # the name a remat policy saves selections by
 
 
@@ -96,7 +95,7 @@ class IndexerSelector(nnx.Module):
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
             return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
-        if impl in KERNELS:  # the compiled score pass over the pages (cached: all of them)
+        if indexer.uses_kernel(impl):  # the compiled score pass over the pages (cached: all of them)
             def scored(iq, w, nv, end=None):
                 out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
                                            block_max=block_max)
