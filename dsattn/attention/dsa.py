@@ -49,20 +49,16 @@ class DSA(MLA):
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
         return indexer.rotated(k, self.rotate_keys)
 
-    def _attend(self, q_nope, q_pe, positions, valid, read, target=None):
-        """Absorbed MLA over the items `read` names (attend.attend): the reference gathers
-        each query block's top-k latents only."""
-        return self.absorbed((q_nope, q_pe), positions, valid, (read,), target)
-
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
         store = reads.Entries({"entry": self._as_stored("entry", self.latents(x, positions)),
                                "key": self._as_stored("key", self.index_keys(x, positions))})
         read, target, ctx = self.selector(store, cq, x, positions, self.theta, step, ctx,
-                                          "xla", self.dtype)
-        y, kl = self._attend(q_nope, q_pe, positions, jnp.ones(positions.shape, bool), read,
-                             target)
+                                          indexer.IN_TRAINING, self.dtype)
+        # absorbed MLA over the picked tokens (the reference gathers a query block's only)
+        y, kl = self.absorbed((q_nope, q_pe), positions, jnp.ones(positions.shape, bool),
+                              (read,), target)
         return y, {"indexer_loss": self.selector.loss(kl)}, ctx
 
     def init_cache(self, batch: int, max_len: int):
@@ -75,4 +71,5 @@ class DSA(MLA):
         g = paged.append(cache.pages, new, jnp.sum(valid, -1, dtype=jnp.int32))
         read, _, ctx = self.selector(g, cq, x, positions, self.theta, None, ctx, None,
                                      self.dtype)  # only the top-k tokens' latents
-        return self._attend(q_nope, q_pe, positions, valid, read)[0], DSACache(g), ctx
+        return (self.absorbed((q_nope, q_pe), positions, valid, (read,))[0], DSACache(g),
+                ctx)

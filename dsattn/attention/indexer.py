@@ -212,6 +212,11 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
 
 
 # -- the score pass over the paged global cache, through the configured implementation -----
+# The training forward scores its own sequence's keys by the reference's key blocks (a
+# score kernel reads a paged cache).
+IN_TRAINING = registry.reference(registry.Op.INDEXER_SCORE)
+
+
 def resolve_impl(cfg) -> str:
     """The score pass `indexer.impl` runs as (kernels/registry.py). `auto`: the compiled
     kernel for the backend (pallas_gpu on GPU, pallas_tpu on TPU) when it reads this key

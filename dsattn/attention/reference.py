@@ -27,7 +27,7 @@ from dsattn.attention.local import Window
 
 
 # -- the layouts' scores and mixing ------------------------------------------------------
-# Each: prepare(q) once per block; scores(q, arrays) -> unscaled scores with the key axis
+# Each: prepare(q, items) once per block; scores(q, arrays) -> unscaled scores with the key axis
 # last; mix(p, arrays) -> that part's weighted values; finish(sum of mixes, q) -> [B,Tq,H,dv].
 # head_axis: where the heads sit in the scores; key_axis: the keys' axis in the arrays.
 
@@ -40,20 +40,19 @@ class _Grouped:
     batch = ((0, 1), (0, 1))
 
     @staticmethod
-    def prepare(q):
+    def prepare(q, items):
+        """q [B, Tq, H, d] -> [B, G, g·Tq, d], once for every part."""
         b, tq, h, d = q.shape
-        return q, b, tq, h, d
+        g = items[0][0][0].shape[1]
+        q = jnp.transpose(q.reshape(b, tq, g, h // g, d), (0, 2, 3, 1, 4))
+        return q.reshape(b, g, -1, d), (b, tq, h)
 
     @classmethod
     def scores(cls, qq, arrays):
-        q, b, tq, h, d = qq
-        k = arrays[0]
-        g = h // k.shape[1]
-        q = jnp.transpose(q.reshape(b, tq, k.shape[1], g, d), (0, 2, 3, 1, 4))
-        q = q.reshape(b, k.shape[1], g * tq, d)  # [B, G, g·Tq, d]
+        q, (b, tq, h) = qq
         product = functools.partial(jax.lax.dot_general,
                                     dimension_numbers=(((3,), (3,)), cls.batch))
-        return wide_product(product, q, k).reshape(b, h, tq, -1)
+        return wide_product(product, q, arrays[0]).reshape(b, h, tq, -1)
 
     @classmethod
     def mix(cls, p, arrays, value_dim):
@@ -64,7 +63,7 @@ class _Grouped:
 
     @staticmethod
     def finish(o, qq):
-        _, b, tq, h, d = qq
+        _, (b, tq, h) = qq
         g = o.shape[1]
         o = jnp.transpose(o.reshape(b, g, h // g, tq, -1), (0, 3, 1, 2, 4))
         return o.reshape(b, tq, h, -1)
@@ -77,7 +76,7 @@ class _PerHead:
     head_axis, key_axis = 1, 1
 
     @staticmethod
-    def prepare(q):
+    def prepare(q, items):
         return q
 
     @staticmethod
@@ -105,7 +104,7 @@ class _Shared:
     head_axis, key_axis = 2, 1
 
     @staticmethod
-    def prepare(q):
+    def prepare(q, items):
         chex.assert_rank(q, 4)
         return q
 
@@ -144,10 +143,9 @@ def _at_heads(x, ndim: int, axis: int):
     return x.reshape(tuple(-1 if d == axis else 1 for d in range(ndim)))
 
 
-def _logits(lay, q, arrays, mask, scale):
-    """Scaled scores of one part, -inf where its mask [B, Tq, S] is False."""
+def _masked(lay, s, mask, scale):
+    """Scores s scaled, -inf where the mask [B, Tq, S] is False."""
     chex.assert_type(mask, bool)
-    s = lay.scores(q, arrays)
     return jnp.where(jnp.expand_dims(mask, lay.head_axis), s * scale, -jnp.inf)
 
 
@@ -170,7 +168,8 @@ def block_attention(q, parts, sink, entry_block: int | None = None, scale=None):
     probabilities per part [B, T, H, S], None when ``entry_block`` read a long shared part
     by the online softmax)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _attend_parts(_Shared, q, [((e,), m) for e, m in parts], sink, scale, None,
+    items = [((e,), m) for e, m in parts]
+    return _attend_parts(_Shared, _Shared.prepare(q, items), items, sink, scale, None,
                          entry_block)
 
 
@@ -180,10 +179,11 @@ def _attend_parts(lay, q, items, sink, scale, value_dim, per_step):
     if per_step is not None and lay is _Shared and any(
             a[0].ndim == 3 and a[0].shape[1] > per_step for a, _ in items):
         return _online(q, items, sink, scale, value_dim, per_step), None
-    logits = [_logits(lay, q, arrays, mask, scale) for arrays, mask in items]
-    s = jnp.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
-    p = _softmax(s, sink, lay.head_axis)
-    probs = split_keys(p, [l.shape[-1] for l in logits]) if len(logits) > 1 else [p]
+    # the parts' scores and masks joined, then scaled and masked once
+    s, mask = (jnp.concatenate(x, axis=-1) if len(x) > 1 else x[0]
+               for x in zip(*((lay.scores(q, arrays), mask) for arrays, mask in items)))
+    p = _softmax(_masked(lay, s, mask, scale), sink, lay.head_axis)
+    probs = split_keys(p, [m.shape[-1] for _, m in items]) if len(items) > 1 else [p]
     out = sum(lay.mix(pp, arrays, value_dim) for (arrays, _), pp in zip(items, probs))
     return lay.finish(out, q), probs
 
@@ -200,7 +200,7 @@ def _online(q, items, sink, scale, value_dim, block: int):
 
     def absorb(state, arrays, mask):
         m, l, acc = state
-        s = _logits(_Shared, q, arrays, mask, scale)
+        s = _masked(_Shared, _Shared.scores(q, arrays), mask, scale)
         m_new = jnp.maximum(m, jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
         e, decay = jnp.exp(s - m_new), jnp.exp(m - m_new)
         return (m_new, l * decay + jnp.sum(e, axis=-1, keepdims=True),
@@ -264,10 +264,10 @@ def run(read: Read, prologue, epilogue):
 
     def one(start, blk, glob_items, end):
         (q_blk, pos, ok_rows), _, tq_blk = blk
-        qq = lay.prepare(prologue(q_blk))
         items = [local(p, start, pos, end) for p in read.parts if not isinstance(p, GLOBAL)]
         if glob_items is not None:
             items.insert(0, glob_items[:2])
+        qq = lay.prepare(prologue(q_blk), items)
         per_step = (None if entry_block is None
                     else blocks.per_step(entry_block, read.query_block, pos.shape[1]))
         out, probs = _attend_parts(lay, qq, items, read.sink, read.scale, read.value_dim,

@@ -68,7 +68,7 @@ class IndexerSelector(nnx.Module):
 
     def __call__(self, store, q_latent, x, positions, theta, step, ctx, impl, dtype):
         """(`reads.Picked`, the KL target, next context). ``impl`` None: the configured
-        score implementation (cached execution); training passes "xla"."""
+        score implementation (cached execution); training passes `indexer.IN_TRAINING`."""
         iq, w = self.index_q(q_latent, x, positions, theta)
         sel, ctx = self._select(store, jax.lax.stop_gradient(iq), jax.lax.stop_gradient(w),
                                 n_visible(positions, self.stride), ctx,
