@@ -88,17 +88,26 @@ def stand_in():
 
 
 TWO = ("model.n_layers=2",)
-CASES = {  # blocks of 8 queries over 24 tokens: the reference runs causal segments
-    "mha": TWO, "gqa": TWO, "mla": TWO,
-    "dsa": (*TWO, "attention.top_k=4"),
-    "v4": ("model.n_layers=3", "attention.layers=swa, csa, hca", "attention.hca_ratio=4",
-           "attention.top_k=2", "attention.window=4"),
+CASES = {  # name: (preset, overrides); blocks of 8 queries over 24 tokens: causal segments
+    "mha": ("mha", TWO), "gqa": ("gqa", TWO), "mla": ("mla", TWO),
+    "dsa": ("dsa", (*TWO, "attention.top_k=4")),
+    # a window, picks, the sink and the KL loss in one layer
+    "csa": ("v4", (*TWO, "attention.layers=swa, csa", "attention.top_k=2",
+                   "attention.window=4")),
+    "v4": ("v4", ("model.n_layers=3", "attention.layers=swa, csa, hca",
+                  "attention.hca_ratio=4", "attention.top_k=2", "attention.window=4")),
     # full (its pool) -> reindex (scores the pool) -> reuse
-    "v41": ("model.n_layers=4", "attention.ced_split=0", "attention.window=4",
-            "attention.layers=swa, full, reindex, reuse", "attention.ratios=0, 2, 2, 2",
-            "attention.top_k=3", "attention.pool_blocks=2", "attention.pool_block_size=2"),
+    "v41": ("v41", ("model.n_layers=4", "attention.ced_split=0", "attention.window=4",
+                    "attention.layers=swa, full, reindex, reuse",
+                    "attention.ratios=0, 2, 2, 2", "attention.top_k=3",
+                    "attention.pool_blocks=2", "attention.pool_block_size=2")),
 }
 SHORT = ("model.dtype=float64", "attention.query_block=8")
+
+
+def case(name, *overrides):
+    base, own = CASES[name]
+    return preset(base, *SHORT, *own, *overrides)
 
 
 def _loss_and_grads(cfg, tokens, steps):
@@ -119,14 +128,13 @@ def _families(fast):
     return [n if n in fast else pytest.param(n, marks=pytest.mark.full) for n in CASES]
 
 
-# v4 (fast) reads a window, picks, every complete entry (HCA) and the sink, with the KL loss
-@pytest.mark.parametrize("name", _families({"v4"}))
+@pytest.mark.parametrize("name", _families({"csa"}))
 def test_registered_implementation_trains_as_the_reference(stand_in, name):
     """Loss (with the indexer's KL loss), and every gradient, equal through either
     implementation; step 0 reads densely under the indexer's warm-up, step 5 its picks."""
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 256, (2, 25)), jnp.int32)
     warm = ("indexer.dense_warmup_steps=3",)
-    runs = [_loss_and_grads(preset(name, *SHORT, *CASES[name], *warm, *impl), tokens, (0, 5))
+    runs = [_loss_and_grads(case(name, *warm, *impl), tokens, (0, 5))
             for impl in ((), (f"attention.impl={stand_in}",))]
     for step, want, got in zip((0, 5), *runs):
         for key in want[0]:
@@ -142,7 +150,7 @@ def test_registered_implementation_decodes_as_the_reference(stand_in, name):
     toks = np.random.RandomState(2).randint(0, 256, (2, 24))
 
     def logits(*overrides):
-        cfg = preset(name, *SHORT, *CASES[name], *overrides)
+        cfg = case(name, *overrides)
         eng = generate.engine(Transformer(cfg, rngs=nnx.Rngs(0)))
         cache = generate.init_cache(cfg, 2, 32)
         out, cache = generate.prefill(eng, toks[:, :20], [11, 20], cache)
@@ -169,13 +177,14 @@ def test_auto_skips_a_kernel_that_does_not_fit():
     """`auto` passes over a kernel for this backend whose fit check refuses the config; the
     same kernel named explicitly is a config error naming the reason."""
     backend = jax.default_backend()
-    why = "attention.entry_dim: the stand-in needs 64"
+    why = "attention.window: the stand-in needs 8"
     registry.register(registry.Implementation(
         OP, "picky", f"{__name__}:run_contract", (backend,),
-        misfit=lambda cfg: None if cfg.attention.entry_dim == 64 else why))
+        misfit=lambda cfg: None if cfg.attention.window == 8 else why))
     try:
+        assert preset("v4").attention.window != 8
         assert registry.resolve(OP, preset("v4"), "auto") == registry.reference(OP)
-        assert registry.resolve(OP, preset("v4", "attention.entry_dim=64"), "auto") == "picky"
+        assert registry.resolve(OP, preset("v4", "attention.window=8"), "auto") == "picky"
         with pytest.raises(config.ConfigError, match=why):
             preset("v4", "attention.impl=picky")
     finally:
