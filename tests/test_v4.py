@@ -57,7 +57,8 @@ def test_window_stays_visible_when_indexer_selects_nothing():
     entries = jnp.asarray(rng.randn(1, 3, 4, 8))  # gathered per query, all picks invalid
     none_valid = jnp.zeros((1, 3, 4), bool)
     sink = jnp.asarray([0.3, -1.0])
-    with_entries, probs = reference.block_attention(q, [(entries, none_valid), (window, wmask)], sink)
+    with_entries, probs = reference.block_attention(q, [(entries, none_valid), (window, wmask)],
+                                                    sink)
     window_only, _ = reference.block_attention(q, [(window, wmask)], sink)
     np.testing.assert_allclose(with_entries, window_only, atol=1e-12)
     assert float(jnp.max(probs[0])) == 0.0

@@ -95,7 +95,7 @@ class IndexerSelector(nnx.Module):
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
             return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
-        if indexer.uses_kernel(impl):  # the compiled score pass over the pages (cached: all of them)
+        if indexer.uses_kernel(impl):  # the compiled score pass over the pages (all of them)
             def scored(iq, w, nv, end=None):
                 out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
                                            block_max=block_max)
