@@ -35,10 +35,10 @@ from dsattn import datasource, depth, plan
 from dsattn.cache import formats
 from dsattn.migrations import RENAMED, upgrade_saved  # noqa: F401  (upgrade_saved re-exported)
 from dsattn.errors import ConfigError  # noqa: F401  (re-exported: dsattn.config.ConfigError)
+from dsattn.kernels import registry
 from dsattn.plan import Family
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-INDEXER_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 INDEXER_TOPK = ("exact", "approx")  # lax.top_k | lax.approx_max_k (recall 1.0; for TPU)
 KEY_NORMS = ("layernorm", "rmsnorm")
 
@@ -165,8 +165,13 @@ class AttentionConfig:
     # what attention holds live scales with the block, not with T x T. Not a model change.
     query_block: int = _key(512, Kind.EXECUTION)
     # Entries per step of the online softmax over a long shared read (HCA over compressed
-    # entries; core.attend), when no training target needs the per-entry probabilities.
+    # entries; attention/reference.py), when no training target needs the per-entry
+    # probabilities.
     entry_block: int = _key(2048, Kind.EXECUTION)
+    # Which implementation runs every attention read (kernels/registry.py): "xla", the
+    # blocked reference; "auto": the first registered kernel that runs compiled on this
+    # backend and fits the config, else the reference. Same numbers, another program.
+    impl: str = _key("xla", Kind.EXECUTION)
 
 
 @dataclass(frozen=True)
@@ -714,6 +719,7 @@ def _check_attention(cfg: Config) -> None:
     _positive(a.entry_block, "attention.entry_block")
     _positive(ix.key_block, "indexer.key_block")
     plan.check(cfg)
+    _choice(a.impl, registry.names(registry.Op.ATTENTION), "attention.impl")
 
 
 def _check_indexer(cfg: Config) -> None:
@@ -733,7 +739,7 @@ def _check_indexer(cfg: Config) -> None:
                 f"power-of-two indexer.head_dim, got {ix.head_dim} (or set "
                 f"indexer.hadamard=false)")
     _choice(ix.key_norm, KEY_NORMS, "indexer.key_norm")
-    _choice(ix.impl, INDEXER_IMPLS, "indexer.impl")
+    _choice(ix.impl, registry.names(registry.Op.INDEXER_SCORE), "indexer.impl")
     _choice(ix.topk_method, INDEXER_TOPK, "indexer.topk_method")
     if ix.dense_warmup_steps < 0:
         raise ConfigError("indexer.dense_warmup_steps: must be >= 0")
@@ -806,32 +812,11 @@ SECTION_CHECKS = (_check_model, _check_attention, _check_indexer, _check_cache, 
                   _check_data, _check_mesh)
 
 
-def kernel_misfit(cfg: Config, impl: str) -> str | None:
-    """Why the indexer kernel `impl` cannot run this config (a message naming the key), or
-    None: the pool's block maxima tile pages exactly, Triton tiles are powers of two and it
-    loads native/bf16 keys whole. The XLA pass takes any config."""
-    a, ix, c = cfg.attention, cfg.indexer, cfg.cache
-    if impl not in ("pallas_tpu", "pallas_gpu"):
-        return None
-    pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
-    specs = plan.resolve(cfg)
-    if any(s.builds_pool for s in specs):
-        if c.page_size % a.pool_block_size:
-            return (f"attention.pool_block_size: {a.pool_block_size} must divide "
-                    f"cache.page_size={c.page_size} for indexer.impl={impl}")
-        if impl == "pallas_gpu" and not pow2(a.pool_block_size):
-            return (f"attention.pool_block_size: {a.pool_block_size} must be a power of two "
-                    f"for indexer.impl=pallas_gpu")
-    indexed = any(s.kind.scans_keys for s in specs)
-    if (indexed and impl == "pallas_gpu" and not formats.spec(c.key_format).block
-            and (ix.head_dim < 16 or not pow2(ix.head_dim))):
-        return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
-                f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
-    return None
-
-
 def _check_kernels(cfg: Config) -> None:
-    """An explicitly chosen kernel must fit (`auto` falls back to XLA where it does not)."""
-    misfit = kernel_misfit(cfg, cfg.indexer.impl)
-    if misfit:
-        raise ConfigError(misfit)
+    """An explicitly chosen implementation must fit the config (registry: `auto` falls back
+    to the reference where nothing fits)."""
+    for op, name in ((registry.Op.ATTENTION, cfg.attention.impl),
+                     (registry.Op.INDEXER_SCORE, cfg.indexer.impl)):
+        misfit = registry.misfit(op, name, cfg)
+        if misfit:
+            raise ConfigError(misfit)

@@ -17,7 +17,7 @@ from flax import nnx
 from dsattn import train
 from dsattn.attention import blocks, indexer
 from dsattn.attention.context import StackContext
-from dsattn.attention.core import attend
+from dsattn.attention.reference import block_attention as attend
 from dsattn.cache import ring
 from dsattn.model import Transformer
 from dsattn.nn.rope import apply_rope_last

@@ -21,6 +21,8 @@ OLD_LAYOUT = {("model", "scan_layers")}
 OLD_EXECUTION = {("attention", "query_block"), ("attention", "entry_block"),
                  ("indexer", "key_block"), ("model", "remat"), ("model", "remat_block_from"),
                  ("train", "grad_accum")}
+# Keys added since, with their kind: which implementation runs the attention reads.
+ADDED_EXECUTION = {("attention", "impl")}
 OLD_SCHEDULE = {("train", "steps"), ("train", "warmup_steps"), ("train", "lr"),
                 ("train", "min_lr_ratio")}
 OLD_DATA_ORDER = {("train", "batch_size"), ("train", "seq_len"), ("train", "seed"),
@@ -54,10 +56,11 @@ def test_every_key_of_every_section_declares_a_kind():
 
 def test_kinds_are_the_old_tables():
     old_model_keys = {k for k in every_key() if k[0] in OLD_MODEL_SECTIONS}
-    assert set(keys_of(Kind.MODEL)) == old_model_keys - OLD_LAYOUT - OLD_EXECUTION
+    assert set(keys_of(Kind.MODEL)) == (old_model_keys - OLD_LAYOUT - OLD_EXECUTION
+                                        - ADDED_EXECUTION)
     assert config_lib.sections_of(Kind.MODEL) == OLD_MODEL_SECTIONS
     assert set(keys_of(Kind.LAYOUT)) == OLD_LAYOUT
-    assert set(keys_of(Kind.EXECUTION)) == OLD_EXECUTION | MESH
+    assert set(keys_of(Kind.EXECUTION)) == OLD_EXECUTION | ADDED_EXECUTION | MESH
     assert set(keys_of(Kind.SCHEDULE)) == OLD_SCHEDULE
     assert keys_of(Kind.DATA_ORDER) == (  # in this order in the resume's warning and record
         ("train", "batch_size"), ("train", "seq_len"), ("train", "seed"), ("data", "source"),
@@ -77,7 +80,7 @@ def test_resume_checks_follow_the_kinds(tmp_path):
         if sec in OLD_MODEL_SECTIONS:  # the others are in no section it compares
             value = getattr(getattr(cfg, sec), key)
             other = not value if isinstance(value, bool) else (
-                "block" if key == "remat" else value * 2)
+                {"remat": "block", "impl": "auto"}.get(key) or value * 2)
             checkpoint.check_compatible(tmp_path, config_lib.load(
                 MHA, ["model.n_layers=1", f"{sec}.{key}={other}"]))
     with pytest.raises(checkpoint.CheckpointMismatch, match="attention.n_heads"):
@@ -102,7 +105,8 @@ def _sweep(tmp_path, *overrides):
 
 EXECUTION_OVERRIDES = ["attention.query_block=16", "attention.entry_block=32",
                        "indexer.key_block=64", "model.remat=block",
-                       "model.remat_block_from=64", "train.grad_accum=2"]
+                       "model.remat_block_from=64", "train.grad_accum=2",
+                       "attention.impl=auto"]
 
 
 def test_execution_keys_leave_a_sweep_runs_fingerprint_and_model_keys_change_it(tmp_path):

@@ -16,7 +16,7 @@ import yaml
 from flax import nnx
 
 from dsattn import checkpoint, config, data, generate, migrations, train
-from dsattn.attention import core
+from dsattn.attention import core, reference
 from dsattn.bench.long_context import at_length, saved_residuals
 from dsattn.model import Transformer
 from tests.helpers import TINY_CONFIGS, forward, preset
@@ -145,7 +145,7 @@ def test_sink_softmax_is_a_float32_island_under_bf16(entry_block):
     heads = out_mod.sink.shape[0]
     q = jnp.broadcast_to(q[:, :, :1], (1, 1, heads, 4))
     mask = jnp.ones((1, 1, 3), bool)
-    out, probs = core.attend(q, [(entries, mask)], out_mod.sink[...], entry_block)
+    out, probs = reference.block_attention(q, [(entries, mask)], out_mod.sink[...], entry_block)
     e = np.exp(np.append(scores, sink) - scores.max())
     p_ref = (e / e.sum())[:3]
     if entry_block is None:

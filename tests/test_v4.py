@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsattn import plan, train
-from dsattn.attention import core, indexer, selectors
+from dsattn.attention import indexer, reference, selectors
 from tests.helpers import (check_decode_matches_forward, check_two_chunk_prefill, forward, preset,
                            tiny_model)
 
@@ -57,8 +57,9 @@ def test_window_stays_visible_when_indexer_selects_nothing():
     entries = jnp.asarray(rng.randn(1, 3, 4, 8))  # gathered per query, all picks invalid
     none_valid = jnp.zeros((1, 3, 4), bool)
     sink = jnp.asarray([0.3, -1.0])
-    with_entries, probs = core.attend(q, [(entries, none_valid), (window, wmask)], sink)
-    window_only, _ = core.attend(q, [(window, wmask)], sink)
+    with_entries, probs = reference.block_attention(q, [(entries, none_valid), (window, wmask)],
+                                                    sink)
+    window_only, _ = reference.block_attention(q, [(window, wmask)], sink)
     np.testing.assert_allclose(with_entries, window_only, atol=1e-12)
     assert float(jnp.max(probs[0])) == 0.0
     assert bool(jnp.all(jnp.sum(probs[1], -1) > 0))
@@ -68,7 +69,7 @@ def test_sink_is_a_zero_valued_logit():
     q = jnp.ones((1, 1, 1, 4))
     keys = jnp.asarray([[[1.0, 0, 0, 0], [0, 2.0, 0, 0]]])
     mask = jnp.ones((1, 1, 2), bool)
-    out, _ = core.attend(q, [(keys, mask)], jnp.asarray([0.5]))
+    out, _ = reference.block_attention(q, [(keys, mask)], jnp.asarray([0.5]))
     l = np.array([1.0, 2.0]) / 2  # q·k / sqrt(4)
     e = np.exp(l)
     expect = (e[0] * np.array([1, 0, 0, 0]) + e[1] * np.array([0, 2, 0, 0])) / (e.sum() + np.exp(0.5))

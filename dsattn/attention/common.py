@@ -23,7 +23,12 @@ def masked_softmax(scores, mask):
 
     Rows with no visible key (padding queries) give zeros instead of NaN.
     """
-    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    return softmax(jnp.where(mask[:, None], scores, -jnp.inf))
+
+
+def softmax(scores):
+    """Softmax over the last axis of scores that are -inf where masked; a row of -inf (no
+    visible key) gives zeros instead of NaN."""
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(scores - jax.lax.stop_gradient(m))

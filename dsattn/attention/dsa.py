@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsattn.attention import indexer, reads
-from dsattn.attention.common import masked_softmax
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.mla import MLA
 from dsattn.attention.selectors import IndexerSelector
@@ -50,26 +49,16 @@ class DSA(MLA):
             k = apply_rope_last(k, positions, self.theta, self.key_rope)
         return indexer.rotated(k, self.rotate_keys)
 
-    def _attend(self, q_nope, q_pe, positions, valid, read, target=None):
-        """Absorbed MLA over the items `read` names, by query blocks (reads.attend_blocks):
-        each block gathers only its queries' top-k latents."""
-        def one(start, q_blk, pos, items):
-            lat, mask = items
-            p = masked_softmax(self.absorbed_scores(*q_blk, lat), mask)
-            return self.absorbed_output(p, lat), p.sum(axis=1)
-
-        return reads.attend_blocks(one, self.query_block, (q_nope, q_pe), positions, valid,
-                                   read, self.dtype, target)
-
     def __call__(self, x, positions, step=None, ctx=StackContext()):
         cq = self.query_latent(x)
         q_nope, q_pe = self.queries(cq, positions)
         store = reads.Entries({"entry": self._as_stored("entry", self.latents(x, positions)),
                                "key": self._as_stored("key", self.index_keys(x, positions))})
         read, target, ctx = self.selector(store, cq, x, positions, self.theta, step, ctx,
-                                          "xla", self.dtype)
-        y, kl = self._attend(q_nope, q_pe, positions, jnp.ones(positions.shape, bool), read,
-                             target)
+                                          indexer.IN_TRAINING, self.dtype)
+        # absorbed MLA over the picked tokens (the reference gathers a query block's only)
+        y, kl = self.absorbed((q_nope, q_pe), positions, jnp.ones(positions.shape, bool),
+                              (read,), target)
         return y, {"indexer_loss": self.selector.loss(kl)}, ctx
 
     def init_cache(self, batch: int, max_len: int):
@@ -82,4 +71,5 @@ class DSA(MLA):
         g = paged.append(cache.pages, new, jnp.sum(valid, -1, dtype=jnp.int32))
         read, _, ctx = self.selector(g, cq, x, positions, self.theta, None, ctx, None,
                                      self.dtype)  # only the top-k tokens' latents
-        return self._attend(q_nope, q_pe, positions, valid, read)[0], DSACache(g), ctx
+        return (self.absorbed((q_nope, q_pe), positions, valid, (read,))[0], DSACache(g),
+                ctx)

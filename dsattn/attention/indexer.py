@@ -17,6 +17,7 @@ from flax import nnx
 from dsattn.attention import blocks
 from dsattn.attention.common import shared_scores, softmax_dtype, wide_product
 from dsattn.config import rotates_keys
+from dsattn.kernels import registry
 from dsattn.nn import hadamard
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
@@ -211,24 +212,24 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
 
 
 # -- the score pass over the paged global cache, through the configured implementation -----
-def resolve_impl(cfg) -> str:
-    """The score pass `indexer.impl` runs as. `auto`: the compiled kernel for the backend
-    (pallas_gpu on GPU, pallas_tpu on TPU) when it reads this key format and fits the config
-    (config.kernel_misfit), the XLA path otherwise (CPU). Raises for an explicit kernel that
-    cannot read the configured key format."""
-    from dsattn.config import kernel_misfit
-    from dsattn.kernels.indexer_score import KERNEL_FORMATS
+# The training forward scores its own sequence's keys by the reference's key blocks (a
+# score kernel reads a paged cache).
+IN_TRAINING = registry.reference(registry.Op.INDEXER_SCORE)
 
-    impl, key_format = cfg.indexer.impl, cfg.cache.key_format
-    if impl == "auto":
-        kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend())
-        fits = kernel and key_format in KERNEL_FORMATS and not kernel_misfit(cfg, kernel)
-        return kernel if fits else "xla"
-    if impl in ("pallas_tpu", "pallas_gpu") and key_format not in KERNEL_FORMATS:
-        raise NotImplementedError(f"indexer.impl={impl}: the kernel reads keys stored as "
-                                  f"{', '.join(KERNEL_FORMATS)}, not cache.key_format="
-                                  f"{key_format!r}")
-    return impl
+
+def resolve_impl(cfg) -> str:
+    """The score pass `indexer.impl` runs as (kernels/registry.py). `auto`: the compiled
+    kernel for the backend (pallas_gpu on GPU, pallas_tpu on TPU) when it reads this key
+    format and fits the config, the XLA path otherwise (CPU). Raises for an explicit kernel
+    that cannot read the configured key format."""
+    return registry.resolve(registry.Op.INDEXER_SCORE, cfg, cfg.indexer.impl,
+                            cfg.cache.key_format, "cache.key_format")
+
+
+def uses_kernel(impl: str) -> bool:
+    """Whether the score pass `impl` is a compiled kernel over the pages (not the inline XLA
+    path, which reads every key and scores them)."""
+    return registry.load(registry.Op.INDEXER_SCORE, impl) is not None
 
 
 def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool, dtype,
@@ -239,11 +240,8 @@ def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool, dtype,
     the kernel itself on the pallas paths."""
     from dsattn.cache import paged
 
-    if impl in ("pallas_tpu", "pallas_gpu"):
-        if impl == "pallas_tpu":
-            from dsattn.kernels.indexer_score import paged_scores_tpu as kernel
-        else:
-            from dsattn.kernels.indexer_score_gpu import paged_scores_gpu as kernel
+    kernel = registry.load(registry.Op.INDEXER_SCORE, impl)
+    if kernel is not None:
         pages, table = paged.pool(cache, "key")
         return kernel(q, w, pages, table, cache.length, n_visible,
                       cache.fields["key"].fmt, interpret=interpret,

@@ -14,7 +14,7 @@ return the next one.
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention import selectors, sources
+from dsattn.attention import indexer, selectors, sources
 from dsattn.attention.context import CachedContext, StackContext
 from dsattn.attention.core import SinkAttentionOutput
 from dsattn.attention.local import LocalKV, Window
@@ -52,7 +52,7 @@ class V4Attention(nnx.Module):
         if n:
             store, ctx = self.source(x, ctx, n)
             read, target, ctx = self.selector(store, qr, x, positions, self.theta, step, ctx,
-                                              "xla", self.dtype)
+                                              indexer.IN_TRAINING, self.dtype)
         y, kl = self.core(q, positions, jnp.ones(positions.shape, bool),
                           Window.of_sequence(kv, positions, self.window), read, self.theta,
                           target)

@@ -10,16 +10,13 @@ The cache keeps one latent C^KV (kv_lora_rank dims, RMS-normed) and one rotary k
   weighted sum, so keys and values are never expanded.
 """
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsattn.attention import blocks
-from dsattn.attention.common import causal_mask, masked_softmax, split_keys, wide_product
+from dsattn.attention import attend
 from dsattn.cache import contiguous, formats
 from dsattn.cache.layer_caches import MLACache
+from dsattn.kernels import registry
 from dsattn.nn.layers import dense
 from dsattn.nn.norms import RMSNorm
 from dsattn.nn.precision import Precision
@@ -38,6 +35,7 @@ class MLA(nnx.Module):
         self.scale = (self.dn + self.dr) ** -0.5 * softmax_mscale(cfg)
         self.fmt = cfg.cache.main_format
         self.fake_quant = cfg.cache.fake_quant
+        self.impl = registry.resolve(registry.Op.ATTENTION, cfg, a.impl)
         d, std, dt = m.d_model, m.init_std, prec
         qd = self.h * (self.dn + self.dr)
         if a.q_lora_rank:
@@ -75,7 +73,7 @@ class MLA(nnx.Module):
                                                                self.dn + self.dv)
         return w[..., : self.dn], w[..., self.dn:]  # W^UK [dc,H,dn], W^UV [dc,H,dv]
 
-    # -- naive path --------------------------------------------------------------------
+    # -- naive path ------------------------------------------------------------------------
     def expand(self, lat):
         """Per-head keys and values from latents [B, S, dc+dr]: (K^C [B,S,H,dn], the shared
         K^R [B,S,dr], V [B,S,H,dv])."""
@@ -84,49 +82,27 @@ class MLA(nnx.Module):
         return (jnp.einsum("bsc,chn->bshn", c, w_uk), lat[..., self.dc:],
                 jnp.einsum("bsc,chv->bshv", c, w_uv))
 
-    def naive_scores(self, q_nope, q_pe, lat, expanded=None):
-        """Per-head scores [B, H, Tq, Tk] through expanded keys."""
-        k_nope, k_pe, _ = self.expand(lat) if expanded is None else expanded
-        s = wide_product(functools.partial(jnp.einsum, "bqhn,bshn->bhqs"), q_nope, k_nope)
-        s = s + wide_product(functools.partial(jnp.einsum, "bqhr,bsr->bhqs"), q_pe, k_pe)
-        return s * self.scale
-
-    def naive_output(self, p, lat, expanded=None):
-        v = (self.expand(lat) if expanded is None else expanded)[2]
-        o = jnp.einsum("bhqs,bshv->bqhv", p.astype(v.dtype), v)
+    def _output(self, o, pos):
         return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
 
     # -- absorbed path -----------------------------------------------------------------
-    def absorbed_scores(self, q_nope, q_pe, lat):
-        """Scores over latents [B, S, dc+dr] shared by all queries, or [B, Tq, K, dc+dr]
-        gathered per query (DSA decode reads only the selected tokens)."""
-        w_uk, _ = self._up()
-        q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, w_uk)  # fold W^UK into the query
-        if lat.ndim == 3:  # one [B, Tq·H, dc+dr] x [B, S, dc+dr] product, cache read in place
-            b, tq, h = q_abs.shape[:3]
-            qq = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], -1).reshape(b, tq * h, -1)
-            product = functools.partial(jax.lax.dot_general,
-                                        dimension_numbers=(((2,), (2,)), ((0,), (0,))))
-            s = wide_product(product, qq, lat.astype(qq.dtype))
-            return jnp.transpose(s.reshape(b, tq, h, -1), (0, 2, 1, 3)) * self.scale
-        s = wide_product(functools.partial(jnp.einsum, "bqhc,bqsc->bhqs"), q_abs,
-                         lat[..., : self.dc])
-        s = s + wide_product(functools.partial(jnp.einsum, "bqhr,bqsr->bhqs"), q_pe,
-                             lat[..., self.dc:])
-        return s * self.scale
+    def _absorb(self, q):
+        """(q_nope, q_pe) -> [q_nope W^UK | q_pe]: queries against the latents themselves."""
+        q_nope, q_pe = q
+        q_abs = jnp.einsum("bqhn,chn->bqhc", q_nope, self._up()[0])  # fold W^UK into the query
+        return jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], -1)
 
-    def absorbed_output(self, p, lat):
-        _, w_uv = self._up()
-        if lat.ndim == 3:  # [B, Tq·H, S] x [B, S, dc]: a plain batched matmul over the cache
-            b, h, tq, n = p.shape
-            pp = jnp.transpose(p, (0, 2, 1, 3)).reshape(b, tq * h, n).astype(lat.dtype)
-            # over the whole stored row (slicing off the rope dims first would copy the cache)
-            o_lat = jax.lax.dot_general(pp, lat, (((2,), (1,)), ((0,), (0,))))
-            o_lat = o_lat.reshape(b, tq, h, -1)[..., : self.dc]
-        else:
-            o_lat = jnp.einsum("bhqs,bqsc->bqhc", p.astype(lat.dtype), lat[..., : self.dc])
-        o = jnp.einsum("bqhc,chv->bqhv", o_lat, w_uv)  # W^UV after the weighted sum
-        return self.wo(o.reshape(o.shape[0], o.shape[1], self.h * self.dv))
+    def _absorbed_output(self, o_lat, pos):
+        o = jnp.einsum("bqhc,chv->bqhv", o_lat, self._up()[1])  # W^UV after the weighted sum
+        return self._output(o, pos)
+
+    def absorbed(self, q, positions, valid, parts, target=None):
+        """The absorbed path's read of ``parts`` (attend.Read: latents [B, S, dc+dr] as K
+        and V for every head, V their first dc channels) for q = (q_nope, q_pe):
+        (output [B, T, D], the indexer's KL loss or None)."""
+        read = attend.Read(q, positions, valid, parts, None, target, attend.Layout.SHARED,
+                           self.scale, self.query_block, self.dtype, value_dim=self.dc)
+        return attend.attend(read, self.impl, self._absorb, self._absorbed_output)
 
     # -- entry points ------------------------------------------------------------------
     def __call__(self, x, positions, step=None, ctx=None):
@@ -134,16 +110,11 @@ class MLA(nnx.Module):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
         lat = formats.as_stored(self.fmt, lat, self.dr, self.fake_quant)
-        kv = self.expand(lat)  # once; each query block reads it (attention/blocks.py)
-
-        def one(start, blk, end):  # keys before the causal segment's end
-            qn, qp, pos = blk
-            kv_seen = jax.tree.map(lambda a: a[:, :end], kv)
-            p = masked_softmax(self.naive_scores(qn, qp, None, kv_seen),
-                               causal_mask(pos, positions[:, :end]))
-            return self.naive_output(p, None, kv_seen), ()
-
-        return blocks.map_causal(one, self.query_block, (q_nope, q_pe, positions))[0], {}, ctx
+        # expanded once; each query block reads the keys before its causal segment's end
+        keys = attend.Keys(self.expand(lat), positions, sequence=True)
+        read = attend.Read((q_nope, q_pe), positions, None, (keys,), None, None,
+                           attend.Layout.PER_HEAD, self.scale, self.query_block, self.dtype)
+        return attend.attend(read, self.impl, epilogue=self._output)[0], {}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return MLACache(contiguous.empty(self.fmt, batch, max_len, (), self.dc + self.dr,
@@ -153,19 +124,10 @@ class MLA(nnx.Module):
         q_nope, q_pe = self.queries(self.query_latent(x), positions)
         lat = self.latents(x, positions)
 
-        def attend(segments):
-            def one(start, blk):  # a prefill chunk by query blocks; decode is one block
-                qn, qp, pos = blk
-                s = jnp.concatenate([self.absorbed_scores(qn, qp, lats) for (lats,), _, _
-                                     in segments], -1)
-                p = masked_softmax(s, jnp.concatenate(
-                    [causal_mask(pos, k_pos) & seen[:, None] for _, k_pos, seen in segments], -1))
-                parts = split_keys(p, [k_pos.shape[1] for _, k_pos, _ in segments])
-                return sum(self.absorbed_output(ps, lats)
-                           for ps, ((lats,), _, _) in zip(parts, segments)), ()
+        def read(segments):  # a prefill chunk by query blocks; decode is one block
+            parts = tuple(attend.Keys(lats, k_pos, seen) for lats, k_pos, seen in segments)
+            return self.absorbed((q_nope, q_pe), positions, None, parts)[0]
 
-            return blocks.map_queries(one, self.query_block, (q_nope, q_pe, positions))[0]
-
-        out, (stored,) = contiguous.extend((cache.latent,), (lat,), positions, valid, attend,
+        out, (stored,) = contiguous.extend((cache.latent,), (lat,), positions, valid, read,
                                            self.dtype)
         return out, MLACache(stored), ctx

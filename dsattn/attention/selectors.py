@@ -21,7 +21,6 @@ from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.context import Selection
 from dsattn.plan import LayerSpec, Selector
 
-KERNELS = ("pallas_tpu", "pallas_gpu")
 SELECTION = "indexer_selection"  # the name a remat policy saves selections by
 
 
@@ -69,7 +68,7 @@ class IndexerSelector(nnx.Module):
 
     def __call__(self, store, q_latent, x, positions, theta, step, ctx, impl, dtype):
         """(`reads.Picked`, the KL target, next context). ``impl`` None: the configured
-        score implementation (cached execution); training passes "xla"."""
+        score implementation (cached execution); training passes `indexer.IN_TRAINING`."""
         iq, w = self.index_q(q_latent, x, positions, theta)
         sel, ctx = self._select(store, jax.lax.stop_gradient(iq), jax.lax.stop_gradient(w),
                                 n_visible(positions, self.stride), ctx,
@@ -96,7 +95,7 @@ class IndexerSelector(nnx.Module):
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
             return checkpoint_name(sel, SELECTION), ctx
         block_max = self.pool_block if self.pool_blocks else None
-        if impl in KERNELS:  # the compiled score pass over the pages (cached: all of them)
+        if indexer.uses_kernel(impl):  # the compiled score pass over the pages (all of them)
             def scored(iq, w, nv, end=None):
                 out = indexer.paged_scores(iq, w, store, nv, impl, self.interpret, dtype,
                                            block_max=block_max)

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsattn.cache import formats
-from dsattn.kernels.indexer_score import KERNEL_FORMATS, paged_scores_tpu, reference_scores
-from dsattn.kernels.indexer_score_gpu import paged_scores_gpu
+from dsattn.kernels import registry
+from dsattn.kernels.indexer_score import KERNEL_FORMATS, reference_scores
 
-KERNELS = {"pallas_gpu": paged_scores_gpu, "pallas_tpu": paged_scores_tpu}
+OP = registry.Op.INDEXER_SCORE
+KERNELS = registry.kernels(OP)  # the score kernels the registry holds
 CPU_CONTEXTS = (1024, 4096, 16384)
 DEVICE_CONTEXTS = (1024, 4096, 16384, 65536, 131072)
 GPU_PEAK_GBS = 4300.0  # an H200's HBM3e
@@ -71,12 +72,21 @@ def plan(s: Settings) -> dict:
         raise ValueError(f"unknown key format {bad[0]!r}; the kernels read "
                          f"{', '.join(KERNEL_FORMATS)}")
     backend = jax.default_backend()
-    impl = s.impl if s.impl != "auto" else ("pallas_tpu" if backend == "tpu" else "pallas_gpu")
+    impl = s.impl if s.impl != "auto" else _kernel_for(backend)
     peak = s.peak_gbs if s.peak_gbs is not None else (GPU_PEAK_GBS if backend == "gpu" else None)
     contexts = s.contexts or (CPU_CONTEXTS if backend == "cpu" else DEVICE_CONTEXTS)
     return {"backend": backend, "device_kind": jax.devices()[0].device_kind, "impl": impl,
-            "interpreted": backend != {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[impl],
+            "interpreted": not registry.get(OP, impl).runs_on(backend),
             "peak_gbs": peak, "contexts": list(contexts), "settings": dataclasses.asdict(s)}
+
+
+def _kernel_for(backend: str) -> str:
+    """The backend's own score kernel; where there is none (CPU), the GPU one, interpreted."""
+    for wanted in (backend, "gpu"):
+        found = [n for n in KERNELS if registry.get(OP, n).platforms == (wanted,)]
+        if found:
+            return found[0]
+    raise ValueError(f"no indexer score kernel is registered for {backend} or gpu")
 
 
 def make_inputs(fmt, context, s: Settings, rng):
@@ -105,8 +115,8 @@ def median_seconds(fn, inputs, iters):
 def rows(s: Settings, facts: dict):
     """Yield one record per (format, context), in that order, as each is measured. Raises
     AssertionError if the kernel's visible scores differ from the reference's."""
-    kernel = KERNELS[facts["impl"]]
-    if facts["impl"] == "pallas_gpu":
+    kernel = registry.load(OP, facts["impl"])
+    if "gpu" in registry.get(OP, facts["impl"]).platforms:  # the Triton kernel's options
         prec = getattr(jax.lax.Precision, s.precision.upper())
         kernel = functools.partial(kernel, block_k=s.block_k, precision=prec)
     rng = np.random.default_rng(s.seed)

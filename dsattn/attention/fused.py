@@ -1,0 +1,142 @@
+"""An attention read (`attend.Read`) through kernels of the fused-attention contract
+(docs/design.md, "Attention reads"): the adapter that turns a dense kernel, a
+selected-entries kernel and its entry-mass pass into a registry entry.
+
+    dense(q, k, v, *, scale, q_positions, k_positions, causal, window, sink, k_valid)
+        -> (out [B, T, H, dv], lse [B, T, H])          q [B,T,H,dk], k/v [B,S,Hk,dk|dv]
+    sparse(q, store, idx, *, scale, sink, value) -> (out, lse)   store [B,N,c], idx [B,T,k]
+    entry_mass(q, store, idx, lse, *, scale) -> [B, T, k]   probability per pick, over heads
+
+Each part of the read is one kernel call over the whole sequence (a kernel blocks it
+itself); the parts are merged by their log-sum-exp with the sink added once, the
+epilogue runs over the whole output, and the indexer's KL target comes from `entry_mass`
+at the merged log-sum-exp. Nothing here materialises per-block scores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsattn.attention import blocks, indexer, reads
+from dsattn.attention.attend import Keys, Layout, Read
+from dsattn.attention.local import Window
+
+
+def _contract_q(read: Read, q):
+    """The queries as the contract's [B, T, H, dk]."""
+    if read.layout is Layout.PER_HEAD:  # [q_nope | q_pe] against [K^C | K^R]
+        return jnp.concatenate(q, -1)
+    return q
+
+
+def _contract_kv(read: Read, arrays, heads: int):
+    """A `Keys` part's arrays as the contract's (k [B, S, Hk, dk], v [B, S, Hk, dv])."""
+    if read.layout is Layout.GROUPED:  # head-major [B, G, S, d]
+        return tuple(jnp.swapaxes(a, 1, 2) for a in arrays)
+    if read.layout is Layout.PER_HEAD:
+        k_nope, k_pe, v = arrays
+        k_pe = jnp.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (heads, k_pe.shape[-1]))
+        return jnp.concatenate([k_nope, k_pe], -1), v
+    return _entries_kv(read, arrays[0])
+
+
+def _entries_kv(read: Read, entries):
+    """Entries [B, S, c] as one K/V head: K the entry, V its first value_dim channels."""
+    k = entries[:, :, None]
+    return k, (k if read.value_dim is None else k[..., :read.value_dim])
+
+
+def _merge(parts, sink):
+    """(out, lse) of parts [(out, lse)] under one softmax, the sink [H] in its
+    denominator; a row that sees nothing gets zeros."""
+    lses = [lse for _, lse in parts]
+    if sink is not None:
+        lses.append(jnp.broadcast_to(sink.astype(lses[0].dtype), lses[0].shape))
+    lse = jax.nn.logsumexp(jnp.stack(lses), axis=0)
+    seen = jnp.isfinite(lse)
+    safe = jnp.where(seen, lse, 0)
+    out = sum(jnp.where(seen & jnp.isfinite(l), jnp.exp(l - safe), 0)[..., None]
+              * o.astype(jnp.promote_types(o.dtype, l.dtype)) for o, l in parts)
+    return out.astype(parts[0][0].dtype), lse
+
+
+def adapter(dense, sparse, entry_mass):
+    """The registry's attention function (`attend.attend` calls it) for three kernels of
+    the contract's form (module docstring)."""
+
+    def run(read: Read, prologue, epilogue):
+        q = _contract_q(read, prologue(read.q))
+        heads, pos = q.shape[2], read.positions
+        common = dict(scale=read.scale, q_positions=pos)
+        local = []
+        for part in read.parts:
+            if isinstance(part, Keys):
+                k, v = _contract_kv(read, part.arrays, heads)
+                local.append(dense(q, k, v, k_positions=part.pos, causal=True,
+                                   k_valid=part.seen, **common))
+            elif isinstance(part, Window):
+                k, v = _entries_kv(read, part.keys)
+                local.append(dense(q, k, v, k_positions=part.pos, causal=True,
+                                   window=part.size, k_valid=part.pos >= 0, **common))
+        glob = read.global_read
+        if glob is None:
+            out, _ = _merge(local, read.sink)
+            return epilogue(out, pos), None
+
+        def visible():
+            entries, stored = glob.store.read_all("entry", read.dtype)
+            n = entries.shape[1]
+            k_pos = jnp.broadcast_to((jnp.arange(n, dtype=jnp.int32) + 1) * glob.stride - 1,
+                                     stored.shape)
+            k, v = _entries_kv(read, entries)
+            part = dense(q, k, v, k_positions=k_pos, causal=True, k_valid=stored, **common)
+            ids = jnp.where(stored[:, None, :] & reads.visible(pos, glob.stride, n),
+                            jnp.arange(n, dtype=jnp.int32), -1)
+            return finish(part, entries, ids)
+
+        def picked():
+            entries = glob.store.read_all("entry", read.dtype)[0]
+            sel = glob.selection
+            ids = jnp.where(sel.ok, sel.idx, -1)
+            value = None if read.value_dim is None else entries[..., :read.value_dim]
+            return finish(sparse(q, entries, ids, scale=read.scale, value=value), entries,
+                          ids)
+
+        def finish(part, entries, ids):
+            """The global part and, with a target, its KL terms at the merged lse."""
+            if read.target is None:
+                return part, ()
+            lse = _merge([part, *local], read.sink)[1]
+            mass = entry_mass(q, entries, ids, lse, scale=read.scale)
+            return part, _kl_terms(read, glob.store, ids, mass)
+
+        if isinstance(glob, reads.Visible):
+            part, sums = visible()
+        elif glob.selection.dense is None:
+            part, sums = picked()
+        else:  # the dense warm-up reads every complete entry
+            part, sums = jax.lax.cond(glob.selection.dense, visible, picked)
+        out, _ = _merge([part, *local], read.sink)
+        y = epilogue(out, pos)
+        if read.target is None:
+            return y, None
+        total, count = sums
+        return y, total / jnp.maximum(count, 1)
+
+    return run
+
+
+def _kl_terms(read: Read, store, ids, mass):
+    """The indexer's KL terms over the picks `ids` [B, T, k] (-1: none) given the attention
+    mass on them, by query blocks (the indexer's keys gathered for one block at a time)."""
+    valid = jnp.ones(ids.shape[:2], bool) if read.valid is None else read.valid
+
+    def one(start, blk):
+        iq, w, idx, m, ok_rows = blk
+        keys, got = store.gather("key", idx, read.dtype)
+        mask = (idx >= 0) & got & ok_rows[..., None]
+        return (), indexer.kl_terms(indexer.gathered_scores(iq, w, keys), m, mask)
+
+    return blocks.map_queries(one, read.query_block,
+                              (read.target.q, read.target.w, ids, mass, valid))[1]

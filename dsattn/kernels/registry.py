@@ -1,0 +1,189 @@
+"""Every implementation of an operation that has more than one (an attention read, the
+indexer's score pass over the paged cache), with what each needs: the platforms it runs
+compiled on, the cache formats it reads, and its fit checks on a config. Config validation,
+the layers, the indexer and the benchmarks read this table instead of spelling names.
+
+An entry names its function as "module:attribute", imported when first called, so loading a
+config imports no Pallas code. `resolve(op, cfg)` turns the configured name into the one to
+run: `auto` is the first entry, in table order, that runs compiled on this backend, reads
+the configured format and fits the config (the reference, last, always does); a named entry
+is taken as it is once it exists, reads the format and fits (a kernel may run interpreted
+on a CPU). A kernel plugs in as one `register` call (docs/design.md, "Attention reads").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+from typing import Callable
+
+AUTO = "auto"
+
+
+class Op(enum.Enum):
+    """An operation with implementations, and the config key that names its choice."""
+
+    ATTENTION = "attention.impl"  # an attention read: attend.Read -> (output, KL loss)
+    INDEXER_SCORE = "indexer.impl"  # scores of indexer queries over a paged cache's keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of `op`. ``target``: "module:attribute" of its function (None:
+    the op's inline reference path). ``platforms``: backends it runs compiled on (empty:
+    every). ``formats``: cache formats it reads, or "module:attribute" of that tuple (None:
+    every). ``misfit(cfg)``: why it cannot run a config (a message naming the key) or None."""
+
+    op: Op
+    name: str
+    target: str | None
+    platforms: tuple[str, ...] = ()
+    formats: tuple[str, ...] | str | None = None
+    misfit: Callable | None = None
+    reference: bool = False
+
+    def reads(self, fmt: str) -> bool:
+        return self.formats is None or fmt in self.supported_formats()
+
+    def supported_formats(self) -> tuple[str, ...]:
+        return _resolve(self.formats) if isinstance(self.formats, str) else self.formats
+
+    def runs_on(self, backend: str) -> bool:
+        return not self.platforms or backend in self.platforms
+
+    def why_not(self, cfg) -> str | None:
+        return self.misfit(cfg) if self.misfit is not None else None
+
+
+_TABLE: dict[Op, dict[str, Implementation]] = {op: {} for op in Op}
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add `impl` ahead of the reference, so `auto` prefers it where it runs and fits."""
+    if impl.name == AUTO or impl.name in _TABLE[impl.op]:
+        raise ValueError(f"{impl.op.value}: {impl.name!r} is already registered")
+    entries = dict(_TABLE[impl.op])
+    refs = {n: e for n, e in entries.items() if e.reference}
+    _TABLE[impl.op] = {**{n: e for n, e in entries.items() if not e.reference},
+                       impl.name: impl, **refs}
+    return impl
+
+
+def unregister(op: Op, name: str) -> None:
+    entry = get(op, name)
+    if entry.reference:
+        raise ValueError(f"{op.value}: the reference {name!r} cannot be removed")
+    del _TABLE[op][name]
+
+
+def names(op: Op) -> tuple[str, ...]:
+    """What the config key may say: `auto` and every registered name."""
+    return (AUTO, *_TABLE[op])
+
+
+def get(op: Op, name: str) -> Implementation:
+    try:
+        return _TABLE[op][name]
+    except KeyError:
+        raise KeyError(f"{op.value}={name!r} is not registered; registered: "
+                       f"{', '.join(names(op))}") from None
+
+
+def kernels(op: Op) -> tuple[str, ...]:
+    """The names of `op`'s implementations other than its reference."""
+    return tuple(n for n, e in _TABLE[op].items() if not e.reference)
+
+
+def reference(op: Op) -> str:
+    return next(n for n, e in _TABLE[op].items() if e.reference)
+
+
+def misfit(op: Op, name: str, cfg) -> str | None:
+    """Why the configured `name` cannot run `cfg` (None: it can, or `auto`): not registered,
+    or its fit check fails. Config validation raises it; formats are checked by `resolve`."""
+    if name == AUTO:
+        return None
+    if name not in _TABLE[op]:
+        return (f"{op.value}: {name!r} is not registered; registered: "
+                f"{', '.join(names(op))}")
+    return get(op, name).why_not(cfg)
+
+
+def resolve(op: Op, cfg, name: str, fmt: str | None = None, fmt_key: str = "format",
+            backend: str | None = None) -> str:
+    """The implementation `name` (the config's value) runs as, for data in cache format
+    `fmt` (the config's `fmt_key`) on `backend` (default: jax's). Raises for a named one
+    that cannot read `fmt` (NotImplementedError) or does not fit (ValueError)."""
+    if name == AUTO:
+        import jax
+
+        backend = backend or jax.default_backend()
+        for n, e in _TABLE[op].items():
+            if e.reference or (e.platforms and e.runs_on(backend) and
+                               (fmt is None or e.reads(fmt)) and e.why_not(cfg) is None):
+                return n
+    entry = get(op, name)
+    if fmt is not None and not entry.reads(fmt):
+        raise NotImplementedError(f"{op.value}={name}: it reads data stored as "
+                                  f"{', '.join(entry.supported_formats())}, not "
+                                  f"{fmt_key}={fmt!r}")
+    why = entry.why_not(cfg)
+    if why:
+        raise ValueError(why)
+    return name
+
+
+def load(op: Op, name: str) -> Callable | None:
+    """The function of implementation `name` (None for an inline reference path)."""
+    entry = get(op, name)
+    return None if entry.target is None else _resolve(entry.target)
+
+
+def _resolve(ref: str):
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# -- the indexer's score pass ---------------------------------------------------------------
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def _indexer_kernel_misfit(impl: str):
+    """The Pallas score kernels' fit: the pool's block maxima tile pages exactly, Triton
+    tiles are powers of two and it loads native/bf16 keys whole."""
+    def misfit(cfg) -> str | None:
+        from dsattn import plan
+        from dsattn.cache import formats
+
+        a, ix, c = cfg.attention, cfg.indexer, cfg.cache
+        specs = plan.resolve(cfg)
+        if any(s.builds_pool for s in specs):
+            if c.page_size % a.pool_block_size:
+                return (f"attention.pool_block_size: {a.pool_block_size} must divide "
+                        f"cache.page_size={c.page_size} for indexer.impl={impl}")
+            if impl == "pallas_gpu" and not _pow2(a.pool_block_size):
+                return (f"attention.pool_block_size: {a.pool_block_size} must be a power of "
+                        f"two for indexer.impl=pallas_gpu")
+        indexed = any(s.kind.scans_keys for s in specs)
+        if (indexed and impl == "pallas_gpu" and not formats.spec(c.key_format).block
+                and (ix.head_dim < 16 or not _pow2(ix.head_dim))):
+            return (f"indexer.head_dim: {ix.head_dim} must be a power of two >= 16 for "
+                    f"indexer.impl=pallas_gpu with cache.key_format={c.key_format}")
+        return None
+    return misfit
+
+
+_KEY_FORMATS = "dsattn.kernels.indexer_score:KERNEL_FORMATS"
+register(Implementation(Op.INDEXER_SCORE, "xla", None, reference=True))
+register(Implementation(Op.INDEXER_SCORE, "pallas_tpu",
+                        "dsattn.kernels.indexer_score:paged_scores_tpu", ("tpu",),
+                        _KEY_FORMATS, _indexer_kernel_misfit("pallas_tpu")))
+register(Implementation(Op.INDEXER_SCORE, "pallas_gpu",
+                        "dsattn.kernels.indexer_score_gpu:paged_scores_gpu", ("gpu",),
+                        _KEY_FORMATS, _indexer_kernel_misfit("pallas_gpu")))
+
+# -- attention reads ------------------------------------------------------------------------
+register(Implementation(Op.ATTENTION, "xla", "dsattn.attention.reference:run",
+                        reference=True))
