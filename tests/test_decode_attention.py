@@ -1,5 +1,5 @@
 """The fused decode read (dsattn/kernels/decode_attention.py): its reference equals today's
-decode attention (`core.attend` over the parts `V4Attention.extend` builds: the ring read
+decode attention (`reference.block_attention`, the V4 core's read, over the parts `V4Attention.extend` builds: the ring read
 before the write + the step's own key, and the picks `paged.gather` returns), and the kernel
 (Pallas interpreter on CPU) equals the reference, for the stored formats the V4 presets use;
 and the kernel lowers for CUDA.
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn.attention import core
+from dsattn.attention import reference
 from dsattn.cache import paged, ring
 from dsattn.kernels import decode_attention as da
 
@@ -62,7 +62,7 @@ def test_reference_is_todays_decode_attention(local_fmt, main_fmt):
     keys, key_pos = ring.local_keys(before, jnp.float32, kv, pos[:, None],
                                     jnp.ones((B, 1), bool), W)
     picked, got = cache.gather("entry", idx[:, None], jnp.float32)
-    today, _ = core.attend(q[:, None], [(picked, got),
+    today, _ = reference.block_attention(q[:, None], [(picked, got),
                                         (keys, ring.window_mask(key_pos, pos[:, None], W))],
                            sink)
     out, lse = da.reference(q, pos, after, cache, idx, window=W, scale=C ** -0.5, sink=sink)

@@ -1,5 +1,5 @@
 """The fused selected-entries read (dsattn/kernels/sparse_attention.py) against its jnp
-reference and today's XLA path (attention/core.py's `attend` over picks gathered by
+reference and today's XLA path (attention/reference.py's `block_attention` over picks gathered by
 attention/reads.py), in the generic Pallas interpreter on CPU; and its lowering for CUDA
 inside jit + grad.
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn.attention import core, reads
+from dsattn.attention import reads, reference
 from dsattn.kernels import sparse_attention as sa
 
 B, T, H, C, N, K = 2, 5, 3, 24, 7, 20
@@ -156,7 +156,7 @@ def _window(seed=1, size=6):
 
 def test_merging_with_a_dense_part_by_lse_equals_the_xla_path():
     """The fused read of the picks merged by lse with a separately read window equals
-    core.attend's one softmax over [picks | window] with the sink: out, the gradients of q,
+    reference.block_attention's one softmax over [picks | window] with the sink: out, the gradients of q,
     the store and the sink (the merge sends a cotangent into the read's lse), and the
     indexer's KL target (the picks' probabilities summed over heads) from the merged lse."""
     q, store, idx, sink, ct_out, _ = _inputs(jnp.float32)
@@ -172,7 +172,7 @@ def test_merging_with_a_dense_part_by_lse_equals_the_xla_path():
     # today's XLA path: core scales by C ** -0.5, so it gets q rescaled to SCALE
     def xla(q, store, sink):
         vals, picked = reads.Entries({"entry": store}).gather("entry", idx)
-        out, probs = core.attend(q * (SCALE * C ** 0.5), [(vals, picked), (win, win_mask)],
+        out, probs = reference.block_attention(q * (SCALE * C ** 0.5), [(vals, picked), (win, win_mask)],
                                  sink)
         return out, probs[0].sum(axis=2)
 

@@ -13,7 +13,7 @@ and dequantized inside the kernel. Returns (out [B, H, c] in q's dtype, lse [B, 
 
 - ``reference``: the same from today's reads (``paged.gather``, ``ring.read``,
   ``ring.window_mask``) and one plain-jnp softmax: the oracle. tests/test_decode_attention.py
-  checks that it equals ``attention.core.attend`` over the parts ``V4Attention.extend``
+  checks that it equals ``attention.reference.block_attention`` over the parts ``V4Attention.extend``
   builds (ring read before the write + the step's own key), and the kernel against it.
 - ``attention``: the Pallas kernel (Triton-style ``jax.experimental.pallas``; interpret=True
   on CPU; it lowers for CUDA). Forward only (decode needs no gradient).
