@@ -115,7 +115,9 @@ FULL = {
     "tests/test_blocks.py::test_remat_recomputes_the_ffn_a_block_of_tokens_at_a_time":
         "a memory analysis",
     "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[1]":
-        "[4], [7], [64] stay",
+        "[7], [64] stay",
+    "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[4]":
+        "[7], [64] stay",
     "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[v4-indexer-2]":
         "the MHA cases stay",
     "tests/test_accum.py::test_accumulation_holds_a_micro_batchs_temporaries":
@@ -174,6 +176,17 @@ FULL = {
     # run-directory compatibility with older layouts; today's resume stays
     "tests/test_rundir.py::test_scanned_run_saved_with_first_copies_unrolled_loads_and_resumes":
         "test_runs_restore_across_scanned_and_unrolled_layouts stays",
+    # room for the kernel, decode and serving tests (the fast tier's slowest cases, timed on
+    # a fresh clone), each beside the fast case that keeps its promise
+    "tests/test_yarn.py::test_decode_equals_forward_with_yarn[v4]": "[dsa] stays",
+    "tests/test_scripts.py::test_damaged_checkpoint_warns_in_one_line_and_the_one_before_is_used":
+        "test_rundir.py::test_damaged_latest_checkpoint_falls_back_to_the_one_before stays",
+    "tests/test_scan.py::test_a_copys_view_of_stacked_caches_is_that_copys_cache[False]":
+        "the jitted [True] case stays",
+    "tests/test_hadamard.py::test_rotated_fp4_keys_decode_equals_the_fake_quant_forward[v41]":
+        "[v4] stays",
+    "tests/test_decode_attention.py::test_reference_is_todays_decode_attention["
+    "fp8_ue8m0_rope_bf16-fp8_ue8m0_rope_bf16]": "the V4.1 formats' case stays",
 }
 
 
