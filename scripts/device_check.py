@@ -1,7 +1,8 @@
 """Check a machine with a GPU or TPU in one command (a few minutes), into one JSON report:
 
     python scripts/device_check.py [--out runs/device_check.json] [--budget-s 420]
-        [--train-presets mha,mla,dsa,v4,v41] [--decode-presets v4,v41]
+        [--train-presets mha,mla,dsa,v4,v41] [--train-impls xla,pallas_gpu]
+        [--decode-presets v4,v41]
         [--contexts 32768,131072] [--sweep-presets mha,mla,dsa,v4,v41] [--sweep-gib G]
         [--sweep-max-batch N] [--no-traces] [--command-buffers off,default,loops]
         [KEY=VALUE ...]
@@ -9,7 +10,9 @@
 1. the accelerator-only tests: the Pallas kernels compiled for the device (Triton on a GPU,
    Mosaic on a TPU) against their references;
 2. a few bfloat16 training steps of each preset in configs/small (about 100M parameters,
-   8K tokens): tokens/s, model TFLOP/s (dsattn.flops) and MFU against the device's peak;
+   8K tokens): tokens/s, model TFLOP/s (dsattn.flops) and MFU against the device's peak,
+   once per attention implementation (on a GPU: the XLA reference, then the fused Pallas
+   kernels, attention.impl=pallas_gpu; the summary gives their ratio);
 3. decode steps of v4 and v41 at 32K and 128K cached tokens against the roofline: the bytes a
    step must read (cache, by dsattn.kvbytes, plus the weights) over the device's measured
    bandwidth;
@@ -62,6 +65,9 @@ def main(argv=None):
     ap.add_argument("--no-traces", action="store_true", help="no profiler traces")
     ap.add_argument("--command-buffers", type=names, default=None,
                     help="command-buffer variants of the decode A/B on a GPU ('' for none)")
+    ap.add_argument("--train-impls", type=names, default=None,
+                    help="attention.impl of the training rows (default: xla, and pallas_gpu "
+                         "on a GPU)")
     ap.add_argument("--train-seq", type=int, default=None)
     ap.add_argument("--train-batch", type=int, default=None)
     ap.add_argument("--tests", type=names, default=None,
@@ -73,7 +79,8 @@ def main(argv=None):
     from dsattn.bench import device
 
     given = {"budget_s": args.budget_s, "configs": args.configs,
-             "train_presets": args.train_presets, "decode_presets": args.decode_presets,
+             "train_presets": args.train_presets, "train_impls": args.train_impls,
+             "decode_presets": args.decode_presets,
              "contexts": args.contexts, "train_seq": args.train_seq,
              "train_batch": args.train_batch, "tests": args.tests,
              "sweep_presets": args.sweep_presets, "sweep_max_batch": args.sweep_max_batch,

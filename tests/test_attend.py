@@ -131,13 +131,12 @@ def _families(fast):
     return [n if n in fast else pytest.param(n, marks=pytest.mark.full) for n in CASES]
 
 
-@pytest.mark.parametrize("dense", [None, True])  # picks; the dense warm-up's full read
-def test_a_sink_read_through_the_adapter_equals_the_reference(dense):
-    """One V4-style read (picked entries of a store, or every complete one, and a window,
-    with the sink and the indexer's KL target) by the adapter over the stand-ins and by the
-    reference in blocks of 4 queries: the same output, KL loss and gradients."""
+def sink_read_grads(impl, dense):
+    """(gradients, (output, KL loss)) of one V4-style read through `impl` (a registered
+    attention function): picked entries of a store (or, with `dense`, every complete one),
+    a window of 3, the sink and the indexer's KL target, in blocks of 4 queries, jitted."""
     rng = np.random.RandomState(0)
-    b, t, h, c, n = 2, 10, 2, 8, 5  # entries of stride 2
+    b, t, h, c, n = 2, 10, 2, 16, 5  # entries of stride 2
     q, kv, entries = (jnp.asarray(rng.randn(*s)) for s in ((b, t, h, c), (b, t, c), (b, n, c)))
     sink = jnp.asarray([0.3, -0.5])
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -147,7 +146,7 @@ def test_a_sink_read_through_the_adapter_equals_the_reference(dense):
     target = reads.KLTarget(jnp.asarray(rng.randn(b, t, 2, 4)), jnp.asarray(rng.rand(b, t, 2)))
     keys = jnp.asarray(rng.randn(b, n, 4))
 
-    def loss(impl, q, kv, entries, sink):
+    def loss(q, kv, entries, sink):
         store = reads.Entries({"entry": entries, "key": keys})
         read = attend.Read(q, positions, jnp.ones((b, t), bool),
                            (reads.Picked(store, sel, 2), Window.of_sequence(kv, positions, 3)),
@@ -155,23 +154,47 @@ def test_a_sink_read_through_the_adapter_equals_the_reference(dense):
         out, kl = impl(read, lambda q: q, lambda o, pos: o)
         return jnp.sum(out * jnp.cos(out)) + kl, (out, kl)
 
-    args = (q, kv, entries, sink)
-    want, got = (jax.jit(jax.grad(lambda *a, impl=impl: loss(impl, *a), (0, 1, 2, 3),
-                                  has_aux=True))(*args)
-                 for impl in (registry.load(OP, "xla"), run_contract))
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, kv, entries, sink)
+
+
+@pytest.mark.parametrize("dense", [None, True])  # picks; the dense warm-up's full read
+def test_a_sink_read_through_the_adapter_equals_the_reference(dense):
+    """One V4-style read by the adapter over the stand-ins and by the reference: the same
+    output, KL loss and gradients."""
+    want, got = (sink_read_grads(impl, dense) for impl in (registry.load(OP, "xla"),
+                                                           run_contract))
     assert float(want[1][1]) > 0  # a KL loss to compare
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12),
                  got, want)
+
+
+def train_steps(name, *overrides):
+    """[(metrics, gradients)] of case `name` at step 0 (the indexer's dense warm-up) and
+    step 5 (its picks)."""
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 256, (2, 25)), jnp.int32)
+    return _loss_and_grads(case(name, "indexer.dense_warmup_steps=3", *overrides), tokens,
+                           (0, 5))
+
+
+def decode_logits(name, *overrides):
+    """Logits of a ragged prefill (rows of 11 and 20 tokens) and two decode steps."""
+    toks = np.random.RandomState(2).randint(0, 256, (2, 24))
+    cfg = case(name, *overrides)
+    eng = generate.engine(Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = generate.init_cache(cfg, 2, 32)
+    out, cache = generate.prefill(eng, toks[:, :20], [11, 20], cache)
+    outs = [out]
+    for s in range(2):
+        out, cache = generate.decode_step(eng, toks[:, 20 + s], cache)
+        outs.append(out)
+    return np.stack(outs)
 
 
 @pytest.mark.parametrize("name", _families(set()))
 def test_registered_implementation_trains_as_the_reference(stand_in, name):
     """Loss (with the indexer's KL loss), and every gradient, equal through either
     implementation; step 0 reads densely under the indexer's warm-up, step 5 its picks."""
-    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 256, (2, 25)), jnp.int32)
-    warm = ("indexer.dense_warmup_steps=3",)
-    runs = [_loss_and_grads(case(name, *warm, *impl), tokens, (0, 5))
-            for impl in ((), (f"attention.impl={stand_in}",))]
+    runs = [train_steps(name, *impl) for impl in ((), (f"attention.impl={stand_in}",))]
     for step, want, got in zip((0, 5), *runs):
         for key in want[0]:
             np.testing.assert_allclose(got[0][key], want[0][key], rtol=1e-10, atol=1e-12,
@@ -183,21 +206,8 @@ def test_registered_implementation_trains_as_the_reference(stand_in, name):
 @pytest.mark.parametrize("name", _families(set()))
 def test_registered_implementation_decodes_as_the_reference(stand_in, name):
     """Prefill (ragged rows) and decode steps give the reference's logits."""
-    toks = np.random.RandomState(2).randint(0, 256, (2, 24))
-
-    def logits(*overrides):
-        cfg = case(name, *overrides)
-        eng = generate.engine(Transformer(cfg, rngs=nnx.Rngs(0)))
-        cache = generate.init_cache(cfg, 2, 32)
-        out, cache = generate.prefill(eng, toks[:, :20], [11, 20], cache)
-        outs = [out]
-        for s in range(2):
-            out, cache = generate.decode_step(eng, toks[:, 20 + s], cache)
-            outs.append(out)
-        return np.stack(outs)
-
-    np.testing.assert_allclose(logits(f"attention.impl={stand_in}"), logits(), rtol=1e-10,
-                               atol=1e-12)
+    np.testing.assert_allclose(decode_logits(name, f"attention.impl={stand_in}"),
+                               decode_logits(name), rtol=1e-10, atol=1e-12)
 
 
 def test_impl_names_come_from_the_registry(stand_in):

@@ -90,7 +90,7 @@ def test_a_section_needs_as_long_as_the_last_of_its_kind_took(monkeypatch, tmp_p
     40 s each, the third (which would end at 120 s) is skipped, not started."""
     clock = [0.0]
 
-    def train(settings, name, peak):
+    def train(settings, name, peak, impl="xla"):
         clock[0] += 40.0
         return {"preset": name}
 
@@ -100,3 +100,26 @@ def test_a_section_needs_as_long_as_the_last_of_its_kind_took(monkeypatch, tmp_p
     report = device.check(settings, tmp_path, log=lambda line: None, clock=lambda: clock[0])
     assert [r["preset"] for r in report["train"]] == ["a", "b"]
     assert report["skipped"] == ["train c"]
+
+
+def test_each_preset_trains_under_each_implementation_reference_first(monkeypatch, tmp_path):
+    """The training A/B: every preset once per attention.impl, the reference first, and each
+    kernel row carries its tokens/s as a ratio to its preset's reference row."""
+    speed = {"xla": 100.0, "pallas_gpu": 250.0}
+
+    def train(settings, name, peak, impl="xla"):
+        return {"preset": name, "impl": impl, "dtype": "bfloat16", "batch": 1, "seq_len": 8,
+                "tokens_per_s": speed[impl], "model_tflops_per_s": 1.0, "mfu": None,
+                "first_call_s": 1.0}
+
+    monkeypatch.setattr(device, "train_preset", train)
+    settings = device.Settings(configs=str(tmp_path), train_presets=("a", "b"),
+                               train_impls=("xla", "pallas_gpu"), decode_presets=(), tests=(),
+                               sweep_presets=())
+    report = device.check(settings, tmp_path, log=lambda line: None)
+    assert [(r["preset"], r["impl"]) for r in report["train"]] == [
+        ("a", "xla"), ("a", "pallas_gpu"), ("b", "xla"), ("b", "pallas_gpu")]
+    assert [r.get("x_reference") for r in report["train"]] == [None, 2.5, None, 2.5]
+    device.summary(report)  # every row readable
+    assert device.Settings.for_backend("gpu", tmp_path).train_impls == ("xla", "pallas_gpu")
+    assert device.Settings.for_backend("tpu", tmp_path).train_impls == ("xla",)

@@ -30,7 +30,9 @@ from dsattn.bench import measures, sweep, trace
 from dsattn.model import Transformer
 
 # Tests that only a GPU or TPU runs in full (their compiled-kernel cases skip elsewhere).
-DEVICE_TESTS = ("tests/test_kernels.py", "tests/test_indexer_impl.py")
+DEVICE_TESTS = ("tests/test_kernels.py", "tests/test_indexer_impl.py",
+                "tests/test_dense_attention.py", "tests/test_sparse_attention.py",
+                "tests/test_decode_attention.py", "tests/test_pallas_reads.py")
 
 
 # XLA:GPU command buffers (CUDA graphs): the kinds of ops a compiled program records into one
@@ -57,6 +59,10 @@ class Settings:
     train_seq: int = 8192
     train_batch: int = 4
     train_steps: int = 3
+    # attention.impl of each training row: every preset runs once per implementation, the
+    # reference first, so a cut-off run still leaves pairs (for_backend: the fused kernels
+    # beside the reference on a GPU)
+    train_impls: tuple[str, ...] = ("xla",)
     decode_presets: tuple[str, ...] = ("v4", "v41")
     contexts: tuple[int, ...] = (32768, 131072)
     decode_batch: int = 1
@@ -86,7 +92,9 @@ class Settings:
                        train_steps=2, contexts=(256, 1024), decode_steps=3, budget_s=600.0,
                        sweep_memory=64 << 20, sweep_max_batch=8, sweep_steps=2, **common)
         else:
-            base = cls(configs=str(root / "configs" / "small"), **common)
+            kernels = ("pallas_gpu",) if backend == "gpu" else ()
+            base = cls(configs=str(root / "configs" / "small"), train_impls=("xla", *kernels),
+                       **common)
         return dataclasses.replace(base, **changes)
 
 
@@ -128,19 +136,21 @@ def _trace_dir(settings: Settings, what: str):
     return Path(settings.traces) / what if settings.traces else None
 
 
-def train_preset(settings: Settings, name: str, peak: float | None) -> dict:
-    """A few training steps: tokens/s after the compiling step, model TFLOP/s from the layer
-    plan's FLOPs (dsattn.flops), MFU against `peak`, the device's peak memory, and one more
-    step's per-kernel breakdown (dsattn.bench.trace) where `settings.traces` is set."""
+def train_preset(settings: Settings, name: str, peak: float | None,
+                 impl: str = "xla") -> dict:
+    """A few training steps with attention.impl=`impl`: tokens/s after the compiling step,
+    model TFLOP/s from the layer plan's FLOPs (dsattn.flops), MFU against `peak`, the
+    device's peak memory, and one more step's per-kernel breakdown (dsattn.bench.trace)
+    where `settings.traces` is set."""
     cfg = preset(settings, name, f"train.seq_len={settings.train_seq}",
                  f"train.batch_size={settings.train_batch}",
-                 f"model.max_seq_len={max(settings.train_seq, 1)}")
+                 f"model.max_seq_len={max(settings.train_seq, 1)}", f"attention.impl={impl}")
     got = measures.time_training(cfg, settings.train_seq, settings.train_batch,
                                  steps=settings.train_steps,
-                                 trace_dir=_trace_dir(settings, f"train_{name}"))
+                                 trace_dir=_trace_dir(settings, f"train_{name}_{impl}"))
     per_token = flops.train_flops_per_token(cfg, settings.train_seq)
     tflops = got["tokens_per_s"] * per_token / 1e12
-    return {"preset": name, "dtype": cfg.model.dtype,
+    return {"preset": name, "impl": impl, "dtype": cfg.model.dtype,
             "param_dtype": cfg.model.param_dtype, "seq_len": settings.train_seq,
             "batch": settings.train_batch, **got, "train_flops_per_token": per_token,
             "model_tflops_per_s": tflops, "mfu": tflops / peak if peak else None,
@@ -298,10 +308,16 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
         report["command_buffers"].extend([row] if row else [])
         record()
     for name in settings.train_presets:
-        row = attempt(f"train {name}", lambda: train_preset(settings, name, peak),
-                      needs=took.get("train", 0.0))
-        report["train"].extend([row] if row else [])
-        record()
+        for impl in settings.train_impls:
+            what = f"train {name}" + (f" {impl}" if len(settings.train_impls) > 1 else "")
+            row = attempt(what, lambda: train_preset(settings, name, peak, impl),
+                          needs=took.get("train", 0.0))
+            ref = next((r for r in report["train"] if r["preset"] == name
+                        and r.get("impl", "xla") == "xla"), None)
+            if row and ref and impl != "xla":  # the A/B, measured in this run
+                row["x_reference"] = row["tokens_per_s"] / ref["tokens_per_s"]
+            report["train"].extend([row] if row else [])
+            record()
     for name in settings.sweep_presets if bw else ():
         for context in settings.contexts:
             rows = attempt(f"sweep {name} {context}",
@@ -328,9 +344,12 @@ def summary(report: dict) -> str:
                      + (f"; failed: {', '.join(t['failed_ids'])}" if t["failed_ids"] else ""))
     for r in report["train"]:
         mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
-        lines.append(f"train {r['preset']:>4} ({r['dtype']}, {r['batch']} x {r['seq_len']}): "
-                     f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops_per_s']:.2f} "
-                     f"TFLOP/s{mfu}, first step {r['first_call_s']:.1f} s")
+        impl = r.get("impl", "xla")
+        vs = f" ({r['x_reference']:.2f}x xla)" if "x_reference" in r else ""
+        lines.append(f"train {r['preset']:>4} {impl} ({r['dtype']}, {r['batch']} x "
+                     f"{r['seq_len']}): {r['tokens_per_s']:,.0f} tokens/s{vs}, "
+                     f"{r['model_tflops_per_s']:.2f} TFLOP/s{mfu}, first step "
+                     f"{r['first_call_s']:.1f} s")
     if report.get("bandwidth_bytes_per_s"):
         lines.append(f"bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
     for r in report["decode"]:

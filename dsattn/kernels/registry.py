@@ -185,5 +185,35 @@ register(Implementation(Op.INDEXER_SCORE, "pallas_gpu",
                         _KEY_FORMATS, _indexer_kernel_misfit("pallas_gpu")))
 
 # -- attention reads ------------------------------------------------------------------------
+def _fused_reads_misfit(cfg) -> str | None:
+    """Why the kernels cannot run `cfg`'s reads (None: they can). The dense kernel reads a
+    head dim in power-of-two pieces of at least 16 (Triton tiles), so every head dim it
+    sees must be a multiple of 16; the selected-entries kernel pads its own."""
+    from dsattn import plan
+
+    a = cfg.attention
+    dims = {}  # the config keys that set a dense read's (dk, dv), per family
+    for spec in plan.resolve(cfg):
+        family = spec.kind.family
+        if family is plan.Family.MHA:
+            dims["attention.head_dim"] = (a.head_dim,)
+        elif family is plan.Family.V4:
+            dims["attention.entry_dim"] = (a.entry_dim,)
+        else:  # MLA and DSA: the absorbed read (cached; DSA's dense warm-up) of the latents
+            dims["attention.kv_lora_rank + attention.qk_rope_dim"] = (
+                a.kv_lora_rank + a.qk_rope_dim, a.kv_lora_rank)
+            if family is plan.Family.MLA:  # the training forward's expanded heads
+                dims["attention.qk_nope_dim + attention.qk_rope_dim"] = (
+                    a.qk_nope_dim + a.qk_rope_dim,)
+                dims["attention.v_head_dim"] = (a.v_head_dim,)
+    for key, values in dims.items():
+        if any(d % 16 for d in values):
+            return (f"{key}: {', '.join(map(str, values))} must be multiples of 16 for "
+                    f"attention.impl=pallas_gpu (Triton tiles)")
+    return None
+
+
 register(Implementation(Op.ATTENTION, "xla", "dsattn.attention.reference:run",
                         reference=True))
+register(Implementation(Op.ATTENTION, "pallas_gpu", "dsattn.kernels.pallas_reads:run",
+                        ("gpu",), misfit=_fused_reads_misfit))

@@ -1,0 +1,94 @@
+"""attention.impl=pallas_gpu: every read through the fused Pallas kernels (the dense / window
+kernel, the selected-entries kernel and its entry-mass pass, behind the contract's adapter).
+Here the Pallas interpreter runs them (Triton compiles them on a GPU): a model trains
+(loss, the indexer's KL loss, every gradient; the dense warm-up and the picks) and decodes
+(ragged prefill, decode steps) as the XLA reference does, in float64."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsattn import config
+from dsattn.kernels import registry
+from dsattn.model import Transformer
+from dsattn.trainstep import loss_fn
+from tests.helpers import preset
+from tests.test_attend import _families, case, decode_logits, sink_read_grads, train_steps
+
+OP = registry.Op.ATTENTION
+FUSED = "attention.impl=pallas_gpu"
+
+
+def test_a_v4_read_through_the_kernels_equals_the_reference():
+    """One V4 layer's read (picks, window, sink, KL target) and its gradients, jitted: the
+    fast tier's check of the model-level tests below."""
+    want, got = (sink_read_grads(registry.load(OP, name), dense=None)
+                 for name in ("xla", "pallas_gpu"))
+    assert float(want[1][1]) > 0
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12),
+                 got, want)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", _families(set()))
+def test_every_family_trains_through_the_kernels_as_the_reference(name):
+    want, got = (train_steps(name, *impl) for impl in ((), (FUSED,)))
+    for step, w, g in zip((0, 5), want, got):
+        for key in w[0]:
+            np.testing.assert_allclose(g[0][key], w[0][key], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"{name} step {step}: {key}")
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-11),
+                     g[1], w[1])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", _families(set()))
+def test_every_family_decodes_through_the_kernels_as_the_reference(name):
+    np.testing.assert_allclose(decode_logits(name, FUSED), decode_logits(name), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_auto_takes_the_kernels_on_a_gpu_only_where_they_fit(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert registry.resolve(OP, preset("v4"), "auto") == "pallas_gpu"
+    odd = preset("v4", "attention.entry_dim=40")
+    assert registry.resolve(OP, odd, "auto") == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert registry.resolve(OP, preset("v4"), "auto") == "xla"
+
+
+@pytest.mark.parametrize("name, overrides, key", [
+    ("mha", ("attention.head_dim=24",), "attention.head_dim: 24"),
+    ("mla", ("attention.v_head_dim=40",), "attention.v_head_dim: 40"),
+    ("dsa", ("attention.kv_lora_rank=72",), "kv_lora_rank + attention.qk_rope_dim: 88, 72"),
+    ("v41", ("attention.entry_dim=72",), "attention.entry_dim: 72"),
+])
+def test_a_head_dim_the_kernels_cannot_tile_is_a_config_error(name, overrides, key):
+    with pytest.raises(config.ConfigError, match=re.escape(key) + ".*multiples of 16.*pallas_gpu"):
+        preset(name, *overrides, FUSED)
+    assert preset(name, *overrides).attention.impl == "xla"
+
+
+def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
+    """The whole loss-and-gradient program of a window + CSA stack, bfloat16, lowers for
+    CUDA on this CPU with the reads as Triton kernels (forward, backward, entry mass) and
+    no gather of picked entries around them."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compile, not interpret
+    cfg = case("csa", FUSED, "model.dtype=bfloat16")
+    graph, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((1, 17), jnp.int32)
+
+    def loss(params):
+        return loss_fn(nnx.merge(graph, params), {"inputs": tokens[:, :-1],
+                                                  "targets": tokens[:, 1:]}, 5)[0]
+
+    text = jax.jit(jax.grad(loss)).trace(params).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for kernel in ("dense_attention_fwd", "dense_attention_dq", "dense_attention_dkv"):
+        assert kernel in text, kernel  # the window's read (SWA and CSA layers)
+    # and the picks' forward, backward and entry mass (the CSA layer)
+    assert text.count("xla.gpu.triton") >= 2 * 3 + 3
