@@ -9,14 +9,10 @@ import re
 # and compiling is most of this suite's time. (Scripts the tests start inherit it.)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
                                    "--xla_backend_optimization_level=0")
-# Many tests compile the same tiny programs (in both xdist workers, in the scripts they
-# start, in the full tier after the fast one): jax's persistent cache keeps each compiled
-# program once, keyed by its HLO, flags and versions, so a changed program never hits.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   ".pytest_cache", "jax-programs"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# No persistent compilation cache: on a fresh clone it saved nothing measurable (the fast
+# tier took 9:30 without it, 10:00 with it), and a CI run with it lost an xdist worker to a
+# crash no rerun reproduced; loading XLA:CPU executables from disk is where jax's issues
+# report such crashes.
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -42,11 +38,11 @@ FULL = {
     "tests/test_blocks.py::test_dense_warmup_reads_every_complete_entry_by_blocks":
         "block-size independence: test_loss_and_gradients_do_not_depend_on_block_sizes",
     "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[v4-extra0]":
-        "[mla], [mha] stay",
+        "[mha] stays",
     "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[v41-extra1]":
-        "[mla], [mha] stay",
+        "[mha] stays",
     "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[dsa-extra2]":
-        "[mla], [mha] stay",
+        "[mha] stays",
     "tests/test_blocks.py::test_causal_segments_equal_one_segment[csa_warmup]": "[mha] stays",
     "tests/test_blocks.py::test_causal_segments_equal_one_segment[v41]": "[mha] stays",
     "tests/test_blocks.py::test_causal_segments_equal_one_segment[csa]": "[mha] stays",
@@ -115,9 +111,9 @@ FULL = {
     "tests/test_blocks.py::test_remat_recomputes_the_ffn_a_block_of_tokens_at_a_time":
         "a memory analysis",
     "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[1]":
-        "[7], [64] stay",
+        "[64] stays",
     "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[4]":
-        "[7], [64] stay",
+        "[64] stays",
     "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[v4-indexer-2]":
         "the MHA cases stay",
     "tests/test_accum.py::test_accumulation_holds_a_micro_batchs_temporaries":
@@ -187,6 +183,31 @@ FULL = {
         "[v4] stays",
     "tests/test_decode_attention.py::test_reference_is_todays_decode_attention["
     "fp8_ue8m0_rope_bf16-fp8_ue8m0_rope_bf16]": "the V4.1 formats' case stays",
+    # the fast tier within 7 minutes on a fresh clone (9:30 before these moves)
+    "tests/test_readme.py::test_python_block_runs_as_written[README.md#2]":
+        "a trained run's block; README.md#0, #1 (the library's API) stay, and test_scripts "
+        "generates and evaluates from a run",
+    "tests/test_readme.py::test_python_block_runs_as_written[docs/design.md#0]":
+        "the API of README.md#1 on V4.1; test_properties[v41] stays",
+    "tests/test_device_check.py::test_tests_that_time_out_say_how_far_they_got":
+        "a device report",
+    "tests/test_yarn.py::test_v4_yarn_changes_only_the_compressed_layers":
+        "test_decode_equals_forward_with_yarn[dsa], [mla] stay",
+    "tests/test_scripts.py::test_generate_takes_layout_and_execution_overrides":
+        "test_rundir.py::test_runs_restore_across_scanned_and_unrolled_layouts stays",
+    "tests/test_precision.py::test_largest_batch_is_the_largest_that_fits": "a benchmark's",
+    "tests/test_sharding.py::test_small_mesh_forward_matches_one_device":
+        "the 8-device checks (the full tier) cover every family's sharded forward",
+    "tests/test_sharding.py::test_small_mesh_train_step_matches_one_device":
+        "test_sharded_train_step_matches_one_device (8 devices)",
+    "tests/test_sharding.py::test_small_mesh_prefill_and_decode_match_one_device":
+        "test_sharded_prefill_and_decode_match_one_device (8 devices)",
+    "re:tests/test_kernels.py::test_paged_scores_kernel_matches_reference\\[tpu-1-fp8_":
+        "[tpu-1-native], [tpu-1-fp4_ue8m0], [tpu-1-bf16] stay",
+    "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[7]":
+        "[64] stays",
+    "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[mla-extra3]":
+        "[mha] stays",
 }
 
 
