@@ -213,3 +213,20 @@ def test_a_request_that_can_never_fit_is_refused_at_submission():
     with pytest.raises(InputError, match="max_new_tokens must be an integer >= 0"):
         s.submit(Request([1], -1))
     assert s.idle and s.queued == 0
+
+
+def test_a_prefill_step_advances_every_prefilling_row_by_its_width():
+    """A step runs one [rows, width] program whatever the token budget leaves, so every
+    prefilling row rides along: three prompts of 12 tokens (one 16-wide chunk each) admitted
+    together all draw their first token in the first step, with the budget the default
+    rows + max_chunk (which one 12-token chunk and a part of the next would exhaust)."""
+    eng = generate.Engine(tiny_model("mha", "model.n_layers=1"))
+    s = Scheduler(eng, ROWS, MAX_LEN, max_chunk=CHUNK)
+    assert s.token_budget < ROWS * 12
+    ids = [s.submit(Request(list(range(1 + i, 13 + i)), 2)) for i in range(ROWS)]
+    first = s.step()
+    assert sorted(ev.request_id for ev in first if ev.token is not None) == ids
+    outs = s.run()
+    for i, rid in enumerate(ids):  # and each still equals its solo output
+        want = solo(eng, Request(list(range(1 + i, 13 + i)), 2))
+        assert [ev.token for ev in first if ev.request_id == rid] + outs[rid] == want

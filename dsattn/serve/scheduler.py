@@ -8,6 +8,8 @@ Each `step()` the host decides and the device computes:
 2. plan every row's tokens for this step: a decoding row 1 (its last sampled token), a
    prefilling row a chunk of its context, the chunks sharing what a per-step token budget
    leaves after the decoding rows (oldest first), so a long prompt does not stall the rest;
+   the widest chunk sets the step's width, and every other prefilling row takes up to that
+   width too (the program computes [rows, width] positions whatever the rows take);
    if the pools cannot hold the step's pages, preempt the youngest row (its pages released,
    the request requeued first with its output so far, which is recomputed as prompt later);
 3. run the step as one compiled program (generate.prefill_program over [rows, T], T = 1 for
@@ -219,7 +221,8 @@ class Scheduler:
 
     def _chunks(self) -> np.ndarray:
         """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
-        what the budget leaves."""
+        what the budget leaves; then, since the step runs one [rows, width] program whatever
+        the rows take, every prefilling row takes up to that width (no extra work)."""
         n = np.zeros(self.rows, np.int32)
         prefilling = []
         for i, r in enumerate(self._slots):
@@ -232,14 +235,21 @@ class Scheduler:
                 prefilling.append((r.seq, i, left))
         budget = self.token_budget - int(n.sum())
         for _, i, left in sorted(prefilling):
-            take = min(left, self.max_chunk, budget)
-            if self.replay is not None:  # at most R decoder positions per chunk
-                r = self._slots[i]
-                start = max(self._replay_from(r), r.written)
-                take = min(take, max(start - r.written, 0) + self.replay)
-            n[i] = take
-            budget -= take
+            n[i] = self._take(i, min(left, self.max_chunk, budget))
+            budget -= n[i]
+        if n.max() > 1:  # a prefill step: its width is paid for every row
+            width = generate.bucket_length(int(n.max()), self.max_len)
+            for _, i, left in prefilling:
+                n[i] = max(n[i], self._take(i, min(left, width)))
         return n
+
+    def _take(self, i: int, take: int) -> int:
+        """`take` tokens for row i, at most R decoder positions per chunk under replay."""
+        if self.replay is not None:
+            r = self._slots[i]
+            start = max(self._replay_from(r), r.written)
+            take = min(take, max(start - r.written, 0) + self.replay)
+        return take
 
     def _replay_from(self, r: _Row) -> int:
         """First position the decoder runs on: the last R of the original prompt (decoded
