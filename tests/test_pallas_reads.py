@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import config
+from dsattn import config, generate
+from dsattn.bench import lower
 from dsattn.kernels import registry
 from dsattn.model import Transformer
 from dsattn.trainstep import loss_fn
@@ -50,6 +51,15 @@ def test_every_family_trains_through_the_kernels_as_the_reference(name):
 def test_every_family_decodes_through_the_kernels_as_the_reference(name):
     np.testing.assert_allclose(decode_logits(name, FUSED), decode_logits(name), rtol=1e-10,
                                atol=1e-12)
+
+
+@pytest.mark.full
+def test_a_scanned_stack_decodes_through_the_kernels_as_the_reference():
+    """Three CSA copies scanned: the decode kernel reads a copy's rows of the stacked ring
+    and pages."""
+    scanned = ("model.n_layers=4", "attention.layers=swa, csa*3", "model.scan_layers=true")
+    np.testing.assert_allclose(decode_logits("csa", FUSED, *scanned),
+                               decode_logits("csa", *scanned), rtol=1e-10, atol=1e-12)
 
 
 def test_auto_takes_the_kernels_on_a_gpu_only_where_they_fit(monkeypatch):
@@ -92,3 +102,18 @@ def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
         assert kernel in text, kernel  # the window's read (SWA and CSA layers)
     # and the picks' forward, backward and entry mass (the CSA layer)
     assert text.count("xla.gpu.triton") >= 2 * 3 + 3
+
+
+def test_a_v4_decode_step_reads_window_and_picks_in_the_decode_kernel(monkeypatch):
+    """A window + CSA stack's decode step, lowered for CUDA: the CSA layer reads its window
+    (the ring) and its picked entries (ids into the paged cache) in one decode kernel, and
+    the window-only layer through the dense kernel."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = case("csa", FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
+    eng = lower.abstract_engine(cfg)
+    cache = jax.eval_shape(lambda: eng.init_cache(2, 64))
+    text = generate.decode_program.trace(
+        eng.graph, eng.state, jax.ShapeDtypeStruct((2,), jnp.int32), cache).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count('"decode_attention"') == 1
+    assert text.count('"dense_attention_fwd"') == 1

@@ -6,11 +6,18 @@ selected-entries kernel and its entry-mass pass into a registry entry.
         -> (out [B, T, H, dv], lse [B, T, H])          q [B,T,H,dk], k/v [B,S,Hk,dk|dv]
     sparse(q, store, idx, *, scale, sink, value) -> (out, lse)   store [B,N,c], idx [B,T,k]
     entry_mass(q, store, idx, lse, *, scale) -> [B, T, k]   probability per pick, over heads
+    decode(q, q_pos, ring, cache, idx, *, window, scale, sink) -> (out, lse)   optional:
+        one decode step's window (the ring after the step's write) and picks (ids into a
+        paged cache) in one call, both read from the caches in their stored formats;
+        q [B, H, c], q_pos [B], idx [B, k]
 
 Each part of the read is one kernel call over the whole sequence (a kernel blocks it
 itself); the parts are merged by their log-sum-exp with the sink added once, the
 epilogue runs over the whole output, and the indexer's KL target comes from `entry_mass`
-at the merged log-sum-exp. Nothing here materialises per-block scores.
+at the merged log-sum-exp. Nothing here materialises per-block scores. A decode step of
+the V4 family (one query per row, a window with its ring, a global part in a paged cache)
+goes to `decode` when given, so it reads only the window and the picked entries, as
+stored; otherwise a paged store is decoded whole (`read_all`) for the other kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import jax.numpy as jnp
 from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.attend import Keys, Layout, Read
 from dsattn.attention.local import Window
+from dsattn.cache.paged import PagedCache
 
 
 def _contract_q(read: Read, q):
@@ -61,13 +69,41 @@ def _merge(parts, sink):
     return out.astype(parts[0][0].dtype), lse
 
 
-def adapter(dense, sparse, entry_mass):
-    """The registry's attention function (`attend.attend` calls it) for three kernels of
-    the contract's form (module docstring)."""
+def _decode_step(read: Read, q):
+    """(the ring, the paged cache, the ids [B, k]) when `read` is one decode step a decode
+    kernel reads from the caches: one query per row, SHARED entries read whole as K and V,
+    a window with its ring and a global part in a paged cache, no KL target. Else None."""
+    glob = read.global_read
+    windows = [p for p in read.parts if isinstance(p, Window) and p.ring is not None]
+    if (q.shape[1] != 1 or read.layout is not Layout.SHARED or read.value_dim is not None
+            or read.target is not None or glob is None or len(windows) != 1
+            or len(read.parts) != 2 or not isinstance(glob.store, PagedCache)):
+        return None
+    cache = glob.store
+    if isinstance(glob, reads.Visible):  # every complete entry, by position
+        n = cache.page_table.shape[1] * cache.page_size
+        ids = jnp.arange(n, dtype=jnp.int32)
+        idx = jnp.where(ids < ((read.positions[:, :1] + 1) // glob.stride), ids, -1)
+    else:
+        sel = glob.selection
+        idx = jnp.where(sel.ok, sel.idx, -1)[:, 0]
+    return windows[0].ring, cache, idx
+
+
+def adapter(dense, sparse, entry_mass, decode=None):
+    """The registry's attention function (`attend.attend` calls it) for kernels of the
+    contract's form (module docstring)."""
 
     def run(read: Read, prologue, epilogue):
         q = _contract_q(read, prologue(read.q))
         heads, pos = q.shape[2], read.positions
+        step = None if decode is None else _decode_step(read, q)
+        if step is not None:
+            ring, cache, idx = step
+            window = next(p for p in read.parts if isinstance(p, Window))
+            out, _ = decode(q[:, 0], pos[:, 0], ring, cache, idx, window=window.size,
+                            scale=read.scale, sink=read.sink)
+            return epilogue(out[:, None], pos), None
         common = dict(scale=read.scale, q_positions=pos)
         local = []
         for part in read.parts:

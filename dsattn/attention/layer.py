@@ -71,8 +71,9 @@ class V4Attention(nnx.Module):
         kv = self.local(x, positions, self.theta)
         keys, key_pos = ring.local_keys(cache.ring, self.dtype, kv, positions, valid,
                                         self.window)
-        window = Window(keys, key_pos, lead=keys.shape[1] - x.shape[1], size=self.window)
         new = cache.replace(ring=ring.write(cache.ring, kv, positions, valid))
+        window = Window(keys, key_pos, lead=keys.shape[1] - x.shape[1], size=self.window,
+                        ring=new.ring)
         read = None
         if self.source is not None:
             g, new, ctx = self.source.extend(new, x, positions, valid, ctx)

@@ -1,6 +1,8 @@
 """Each V4-family layer's own window KV: one entry per token, RMSNorm, RoPE on the last r
 dims at the token's position. Kept for the last W positions in a ring buffer."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -36,6 +38,9 @@ class Window:
     pos: jax.Array
     lead: int = struct.field(pytree_node=False)  # L
     size: int = struct.field(pytree_node=False)  # W
+    # cached execution: the ring after this step's write (it then holds every query's
+    # window in its stored format), for a kernel that reads the window from the cache
+    ring: Any = None  # a ring.Ring
 
     @classmethod
     def of_sequence(cls, kv, positions, size: int):

@@ -9,7 +9,8 @@
 what it holds); (b) pick id i of row b is read when 0 <= i < length[b] (an id -1, or past the
 row's entries, is no pick), from the paged cache through the row's page table. Both are read
 in their stored cache format (``dsattn.cache.formats.FORMATS``: element and scale codecs)
-and dequantized inside the kernel. Returns (out [B, H, c] in q's dtype, lse [B, H] float32).
+and dequantized inside the kernel. Returns (out [B, H, c] in q's dtype, lse [B, H] float32;
+scores, partials and lse are float64 for float64 inputs).
 
 - ``reference``: the same from today's reads (``paged.gather``, ``ring.read``,
   ``ring.window_mask``) and one plain-jnp softmax: the oracle. tests/test_decode_attention.py
@@ -18,15 +19,15 @@ and dequantized inside the kernel. Returns (out [B, H, c] in q's dtype, lse [B, 
 - ``attention``: the Pallas kernel (Triton-style ``jax.experimental.pallas``; interpret=True
   on CPU; it lowers for CUDA). Forward only (decode needs no gradient).
 
-How a layer calls it (the adapter, not wired yet): after ``ring.write`` of the step's key
-(the ring then holds exactly the window q_pos - W + 1 .. q_pos that ``ring.local_keys``
-builds before the write) and the source's append and selection, call
-``attention(q[:, 0], positions[:, 0], cache.ring, cache.pages (or the borrowed one), idx,
-window=W, scale=c ** -0.5, sink=core.sink)`` with idx the selection's ids where ``ok`` (else
--1); HCA passes every visible id (arange where < (pos + 1) // stride, else -1). Then the
-inverse RoPE and the grouped output projection as today. It needs of the caches only the
-ring's stored arrays and positions and one paged field's pool and page table
-(``paged.pool``).
+How a layer calls it: `attention.impl=pallas_gpu` (kernels/pallas_reads.py) routes a V4
+family decode step here from the adapter (attention/fused.py): after ``ring.write`` of the
+step's key (the ring then holds exactly the window q_pos - W + 1 .. q_pos that
+``ring.local_keys`` builds before the write; the layer passes it as ``Window.ring``) and the
+source's append and selection, ``attention(q[:, 0], positions[:, 0], ring, the paged cache
+(own or borrowed), idx, window=W, scale, sink)`` with idx the selection's ids where ``ok``
+(else -1); HCA passes every visible id. Then the inverse RoPE and the grouped output
+projection as before. It needs of the caches only the ring's stored arrays and positions and
+one paged field's pool and page table (``paged.pool``).
 
 Kernel: grid (batch row, split). Splits 0..S-1 each walk a contiguous share of the picks,
 ``block_k`` at a time (flash-decoding: split-K over the picks, each split an online softmax
@@ -95,7 +96,7 @@ def reference(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=Non
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])[..., :entries.shape[1]]
     out = jnp.einsum("bhs,bsc->bhc", p, entries, precision=jax.lax.Precision.HIGHEST)
-    return out.astype(q.dtype), lse.astype(jnp.float32)
+    return out.astype(q.dtype), lse
 
 
 # -- how the kernel reads a format -------------------------------------------------------------
@@ -199,6 +200,7 @@ class _Plan:
     precision: object
     num_warps: int
     num_stages: int
+    acc: object  # accumulators: float32, float64 for float64 inputs
 
 
 def _kernel(q_main_ref, q_win_ref, qpos_ref, idx_ref, len_ref, pt_ref, rpos_ref, *rest,
@@ -207,7 +209,7 @@ def _kernel(q_main_ref, q_win_ref, qpos_ref, idx_ref, len_ref, pt_ref, rpos_ref,
     main_refs, win_refs = rest[:nm], rest[nm:nm + nw]
     o_ref, lse_ref = rest[nm + nw:]
     b, j = pl.program_id(0), pl.program_id(1)
-    acc = jnp.float32
+    acc = plan.acc
     bk = plan.block_k
 
     def walk(layout, refs, q_ref, n_blocks, locate):
@@ -306,6 +308,7 @@ def attention(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=Non
                  page_size=cache.page_size, n_slots=table.shape[1], block_k=bk,
                  blocks_per_split=per_split, ring_blocks=ring_blocks, splits=n_splits,
                  interpret=interpret, precision=precision,
+                 acc=jnp.promote_types(q.dtype, jnp.float32),
                  num_warps=DEFAULTS["num_warps"] if num_warps is None else num_warps,
                  num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages)
     qh = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
@@ -323,11 +326,11 @@ def attention(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=Non
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, hp, c), lambda b, j: (b, j, 0, 0)),
                    pl.BlockSpec((None, None, hp), lambda b, j: (b, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, n_splits + 1, hp, c), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, n_splits + 1, hp), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, n_splits + 1, hp, c), plan.acc),
+                   jax.ShapeDtypeStruct((bsz, n_splits + 1, hp), plan.acc)],
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
-        interpret=interpret,
+        interpret=interpret, name="decode_attention",
     )(q_main, q_win, jnp.asarray(q_pos, jnp.int32), idx, cache.length.reshape(-1), table,
       rpos, *main_arrays, *win_arrays)
     # each part's channels back in entry order, then the partials and the sink merged by lse
@@ -335,7 +338,7 @@ def attention(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=Non
                            out[:, n_splits:][..., np.argsort(win.perm)]], axis=1)[:, :, :h]
     lse = lse[:, :, :h]
     parts = lse if sink is None else jnp.concatenate(
-        [lse, jnp.broadcast_to(sink.astype(jnp.float32), (bsz, 1, h))], axis=1)
+        [lse, jnp.broadcast_to(sink.astype(plan.acc), (bsz, 1, h))], axis=1)
     total = jax.nn.logsumexp(parts, axis=1)
     weight = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0)[:, None])
     return jnp.sum(weight[..., None] * out, axis=1).astype(q.dtype), total
