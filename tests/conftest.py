@@ -14,10 +14,34 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
 # crash no rerun reproduced; loading XLA:CPU executables from disk is where jax's issues
 # report such crashes.
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+# XLA:CPU maps memory for every compiled program (a few regions each, more for large ones)
+# and keeps it while jax's caches hold the program. A worker that compiles thousands of
+# programs reaches the kernel's vm.max_map_count (65,530 regions) and its next compile
+# segfaults: that took down a full-tier worker twice. Past this many regions, a test's
+# teardown drops jax's caches (what is needed again compiles again).
+MAPS_LIMIT = int(os.environ.get("DSATTN_TEST_MAPS_LIMIT", "30000"))
+
+
+def _memory_map_regions() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # no /proc: not Linux
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _memory_map_regions() > MAPS_LIMIT:
+        jax.clear_caches()
+        gc.collect()
 
 
 # --- Tiers. `make test` runs `-m "not full"` (the fast tier); `make test-all` everything.
