@@ -25,8 +25,9 @@ jax.config.update("jax_enable_x64", True)
 # and keeps it while jax's caches hold the program. A worker that compiles thousands of
 # programs reaches the kernel's vm.max_map_count (65,530 regions) and its next compile
 # segfaults: that took down a full-tier worker twice. Past this many regions, a test's
-# teardown drops jax's caches (what is needed again compiles again).
-MAPS_LIMIT = int(os.environ.get("DSATTN_TEST_MAPS_LIMIT", "30000"))
+# teardown drops jax's caches (what is needed again compiles again; dropping them takes ~6 s).
+# The fast tier stays under the limit; 25,000 regions of headroom is ~1,500 programs in a test.
+MAPS_LIMIT = int(os.environ.get("DSATTN_TEST_MAPS_LIMIT", "40000"))
 
 
 def _memory_map_regions() -> int:
@@ -220,8 +221,12 @@ FULL = {
         "test_sharded_train_step_matches_one_device (8 devices)",
     "tests/test_sharding.py::test_small_mesh_prefill_and_decode_match_one_device":
         "test_sharded_prefill_and_decode_match_one_device (8 devices)",
-    "re:tests/test_kernels.py::test_paged_scores_kernel_matches_reference\\[tpu-1-fp8_":
-        "[tpu-1-native], [tpu-1-fp4_ue8m0], [tpu-1-bf16] stay",
+    "re:tests/test_kernels.py::test_paged_scores_kernel_matches_reference\\[tpu-1-(fp8_|native)":
+        "[tpu-1-fp4_ue8m0], [tpu-1-bf16] stay",
+    "tests/test_v4.py::test_quantized_cache_decode_equals_fake_quant_forward[mla-formats2]":
+        "[dsa-formats1] stays: DSA's latent cache is MLA's, in the same fp8_ds_mla format",
+    "tests/test_indexer_impl.py::test_approx_topk_decode_equals_exact":
+        "test_approx_topk_selects_the_exact_set_on_tie_free_scores stays",
     "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[7]":
         "[64] stays",
     "tests/test_blocks.py::test_loss_and_gradients_do_not_depend_on_block_sizes[mla-extra3]":

@@ -109,12 +109,20 @@ def test_prefill_in_chunks_equals_one_chunk(name, overrides, replay):
         assert runs[0][1] == enc * (lengths.sum() + 12) + dec * (replay * 3 + 12)
 
 
-def test_generate_on_the_device_equals_the_host_loop():
+ON_DEVICE_MODELS = [  # one MHA layer (a contiguous cache) fast; a V4.1 stack (ring and
+    # paged caches, CED, reuse) in the full tier: the loop is the same for every cache
+    pytest.param(("mha", "model.n_layers=1"), id="mha"),
+    pytest.param(("v41", "model.n_layers=4", "attention.layers=swa, full, full, reuse",
+                  "attention.ratios=0, 2, 1, 1", "attention.ced_split=2"),
+                 id="v41", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("preset", ON_DEVICE_MODELS)
+def test_generate_on_the_device_equals_the_host_loop(preset):
     """generate's compiled token loop gives the tokens of the host loop (the one on_token
-    streams from), row by row: sampling with eos and a stop sequence, ragged prompts, a
-    V4.1 stack (ring and paged caches), and rows that stop at different steps."""
-    model = tiny_model("v41", "model.n_layers=4", "attention.layers=swa, full, full, reuse",
-                       "attention.ratios=0, 2, 1, 1", "attention.ced_split=2")
+    streams from), row by row: sampling with eos and a stop sequence, ragged prompts, and
+    rows that stop at different steps."""
+    model = tiny_model(*preset)
     prompts = [[1, 2, 3, 4, 5], [9], [7, 7, 7]]
     free = generate.generate(model, prompts, 12, temperature=1.0, top_p=0.9, seed=4,
                              on_token=lambda *_: None)
