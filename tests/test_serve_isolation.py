@@ -19,6 +19,8 @@ from dsattn.cache.paged import PagedCache
 from dsattn.cache.protocol import is_container
 from dsattn.errors import InputError
 from dsattn.model import layer_caches, with_layer_caches
+from dsattn.serve import programs
+from dsattn.serve.pool import with_pool
 from dsattn.serve.request import Finish, Request
 from dsattn.serve.scheduler import Scheduler
 from tests.helpers import tiny_model
@@ -213,6 +215,69 @@ def test_a_request_that_can_never_fit_is_refused_at_submission():
     with pytest.raises(InputError, match="max_new_tokens must be an integer >= 0"):
         s.submit(Request([1], -1))
     assert s.idle and s.queued == 0
+
+
+def test_rows_taken_out_and_put_back_replace_only_those_rows():
+    """take_rows/put_rows against numpy: rows 1 and 0 of a leaf with rows on axis 0 and one
+    with rows on axis 1 are taken (an index past the batch takes a stand-in, a copy of the
+    last row), changed, and put back; the stand-in is dropped, rows 2 and 3 are unchanged."""
+    a = np.arange(4 * 3, dtype=np.float64).reshape(4, 3)
+    b = np.arange(2 * 4, dtype=np.int32).reshape(2, 4)
+    idx = jnp.array([1, 0, 4], jnp.int32)
+    taken = programs.take_rows((0, 1), [jnp.asarray(a), jnp.asarray(b)], idx)
+    np.testing.assert_array_equal(taken[0], a[[1, 0, 3]])
+    np.testing.assert_array_equal(taken[1], b[:, [1, 0, 3]])
+    changed = [taken[0] * 10 + 1, taken[1] - 100]  # the stand-in changed too
+    put = programs.put_rows((0, 1), [jnp.asarray(a), jnp.asarray(b)], idx, changed)
+    want_a, want_b = a.copy(), b.copy()
+    want_a[[1, 0]] = a[[1, 0]] * 10 + 1
+    want_b[:, [1, 0]] = b[:, [1, 0]] - 100
+    np.testing.assert_array_equal(put[0], want_a)
+    np.testing.assert_array_equal(put[1], want_b)
+
+
+def test_row_axes_find_the_rows_and_leave_the_pools_shared():
+    """In a V4 decode state every leaf whose size follows the row count has a row axis; the
+    page pools, their free stacks and overflow flags (one per pool) have none."""
+    eng = generate.Engine(tiny_model("v4", "model.n_layers=2", "attention.layers=swa, csa"))
+    state = with_pool(eng.cfg, eng.init_cache(3, MAX_LEN), 40)
+    axes = programs.row_axes(lambda b: with_pool(eng.cfg, eng.init_cache(b, MAX_LEN), 1))
+    leaves = jax.tree.leaves(state)
+    assert len(axes) == len(leaves)
+    paged = [c for c in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, PagedCache))
+             if isinstance(c, PagedCache)]
+    pool = {id(x) for c in paged for x in jax.tree.leaves((c.pages, c.free, c.n_free, c.overflow))}
+    assert pool
+    for x, a in zip(leaves, axes):
+        if id(x) in pool:
+            assert a is None
+        else:
+            assert a is not None and x.shape[a] == 3
+
+
+@pytest.mark.parametrize("name", [pytest.param("mha", marks=pytest.mark.full), "v4"])
+def test_prompts_prefilling_beside_decoding_rows_equal_their_solo_outputs(name):
+    """Five rows decode while three long prompts arrive: the three prefill as a sub-batch of
+    four rows (one stand-in for the last row of the batch, row 7, which one of them holds),
+    the five take one token each over the batch; every request equals its solo output."""
+    eng = generate.Engine(tiny_model(name, "model.n_layers=2") if name == "mha" else
+                          tiny_model(name, "model.n_layers=2", "attention.layers=swa, csa"))
+    vocab = eng.cfg.model.vocab_size
+    rng = np.random.RandomState(5)
+    short = [Request(rng.randint(0, vocab, 3).tolist(), 20) for _ in range(5)]
+    long = [Request(rng.randint(0, vocab, 40).tolist(), 4) for _ in range(3)]
+    s = Scheduler(eng, 8, MAX_LEN, max_chunk=CHUNK)
+    ids = [s.submit(r) for r in short]
+    out = {i: [] for i in range(len(short) + len(long))}
+    for _ in range(3):  # the five are decoding
+        for ev in s.step():
+            out[ev.request_id] += [] if ev.token is None else [ev.token]
+    ids += [s.submit(r) for r in long]
+    while not s.idle:
+        for ev in s.step():
+            out[ev.request_id] += [] if ev.token is None else [ev.token]
+    for rid, req in zip(ids, short + long):
+        assert out[rid] == solo(eng, req), rid
 
 
 def test_a_prefill_step_advances_every_prefilling_row_by_its_width():

@@ -1,7 +1,9 @@
 """The compiled programs continuous batching adds to dsattn.generate's (whose
 prefill_program runs every step: each row extends by its own count of tokens, 0 for an idle
-row, 1 for a decoding one, a chunk for a prefilling one): per-row sampling, and clearing
-rows for their next owner. Both keep static shapes: the batch of rows is fixed."""
+row, 1 for a decoding one, a chunk for a prefilling one): per-row sampling, clearing rows
+for their next owner, and taking a few rows out of the decode state and putting them back
+(so a prefill chunk runs over the prefilling rows alone, not over the whole batch). All keep
+static shapes: the batch of rows is fixed, a sub-batch's size is a power of two."""
 
 from __future__ import annotations
 
@@ -57,3 +59,50 @@ def clear_rows(units, state, rows, blank):
                          overflow=jnp.where(rows, False, state.overflow),
                          evaluations=jnp.where(rows, 0, state.evaluations),
                          layers=tuple(scan.per_unit(units, new)))
+
+
+def row_axes(shaped) -> tuple[int | None, ...]:
+    """Each leaf's row axis in a decode state, in `jax.tree.leaves` order; None for a leaf
+    the rows share (a page pool, its free stack). `shaped(b)`: the state's shapes for b rows
+    with the same pools. The row axis is the one that grows with one more row, whatever the
+    container or the scan layout that holds the leaf."""
+    one, more = (jax.tree.leaves(jax.eval_shape(lambda b=b: shaped(b))) for b in (1, 2))
+    axes = []
+    for a, b in zip(one, more):
+        grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(grown) > 1 or a.ndim != b.ndim:
+            raise ValueError(f"decode state leaf {a.shape} -> {b.shape}: no single row axis")
+        axes.append(grown[0] if grown else None)
+    return tuple(axes)
+
+
+def split(state, axes):
+    """(the row leaves, the shared leaves, how to rebuild): `state`'s leaves by `axes`."""
+    leaves, tree = jax.tree.flatten(state)
+    rows = [x for x, a in zip(leaves, axes) if a is not None]
+    shared = [x for x, a in zip(leaves, axes) if a is None]
+    return rows, shared, tree
+
+
+def join(tree, axes, rows, shared):
+    """`split`'s inverse."""
+    rows, shared = iter(rows), iter(shared)
+    return jax.tree.unflatten(tree, [next(shared) if a is None else next(rows) for a in axes])
+
+
+@partial(jax.jit, static_argnums=0)
+def take_rows(axes: tuple[int, ...], leaves, idx):
+    """Rows `idx` [p] of every row leaf (an index past the batch takes the last row: a
+    stand-in that the sub-batch runs with 0 tokens and `put_rows` drops)."""
+    return [jnp.take(x, idx, axis=a, mode="clip") for x, a in zip(leaves, axes)]
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def put_rows(axes: tuple[int, ...], leaves, idx, sub):
+    """Every row leaf with rows `idx` [p] replaced by `sub`'s (indices past the batch are
+    dropped)."""
+    def put(x, a, s):
+        at = (slice(None),) * a + (idx,)
+        return x.at[at].set(s, mode="drop")
+
+    return [put(x, a, s) for x, a, s in zip(leaves, axes, sub)]

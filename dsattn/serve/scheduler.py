@@ -9,12 +9,16 @@ Each `step()` the host decides and the device computes:
    prefilling row a chunk of its context, the chunks sharing what a per-step token budget
    leaves after the decoding rows (oldest first), so a long prompt does not stall the rest;
    the widest chunk sets the step's width, and every other prefilling row takes up to that
-   width too (the program computes [rows, width] positions whatever the rows take);
+   width too (the chunk program computes [rows, width] positions whatever the rows take);
    if the pools cannot hold the step's pages, preempt the youngest row (its pages released,
    the request requeued first with its output so far, which is recomputed as prompt later);
-3. run the step as one compiled program (generate.prefill_program over [rows, T], T = 1 for
-   a decode-only step, else the bucketed longest chunk), and sample every row with its own
-   temperature, top-p and key on the device (programs.sample_rows);
+3. run the step (generate.prefill_program): the rows taking one token over the whole batch
+   at width 1, the prefilling rows as a sub-batch of their own (a power of two of rows taken
+   out of the decode state and put back: programs.take_rows/put_rows) at the bucketed width
+   of the longest chunk, so a chunk's width is paid by the rows that prefill, not by every
+   row (one [rows, width] program when the sub-batch would be the whole batch, or on a
+   mesh); then sample every row with its own temperature, top-p and key on the device
+   (programs.sample_rows);
 4. record each sampling row's token, retire the rows that hit their eos token, a stop
    sequence or max_new_tokens, and clear them at once (programs.clear_rows: pages released,
    window ring and compressor state reset), ready for the next request.
@@ -95,6 +99,10 @@ class Scheduler:
             state = with_pool(engine.cfg, state, pool_tokens)
         self.cache = state
         self.pools = pool_layers(engine.cfg, state)
+        # Where each decode-state leaf keeps its rows (None: shared, as a page pool is), to
+        # run prefill chunks over a sub-batch; not on a mesh, whose rows are sharded.
+        self._axes = None if engine.mesh is not None else programs.row_axes(
+            lambda b: with_pool(engine.cfg, engine.init_cache(b, max_len), 1))
         self._blank = engine.init_cache(1, max_len)
         self._queue: collections.deque[_Job] = collections.deque()
         self._slots: list[_Row | None] = [None] * rows
@@ -221,8 +229,9 @@ class Scheduler:
 
     def _chunks(self) -> np.ndarray:
         """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
-        what the budget leaves; then, since the step runs one [rows, width] program whatever
-        the rows take, every prefilling row takes up to that width (no extra work)."""
+        what the budget leaves; then, since the prefilling rows run as one [rows, width]
+        program whatever each takes, every prefilling row takes up to that width (no extra
+        work)."""
         n = np.zeros(self.rows, np.int32)
         prefilling = []
         for i, r in enumerate(self._slots):
@@ -273,23 +282,53 @@ class Scheduler:
             self.preemptions += 1
 
     def _run(self, n_new: np.ndarray):
-        width = int(n_new.max())
+        """Run this step's tokens; next-token logits [rows, V] (meaningless for rows that
+        took none)."""
+        wide = np.flatnonzero(n_new > 1)
+        size = 1 << (len(wide) - 1).bit_length() if len(wide) else 0
+        if self._axes is None or not 0 < size < self.rows:
+            logits, self.cache = self._extend(self.cache, np.arange(self.rows), n_new)
+            return logits
+        narrow = np.where(n_new > 1, 0, n_new)
+        logits = None
+        if narrow.any():
+            logits, self.cache = self._extend(self.cache, np.arange(self.rows), narrow)
+        # The sub-batch: the prefilling rows, then stand-ins (indices past the batch) that
+        # take no token and are dropped when the rows go back.
+        idx = np.concatenate([wide, np.full(size - len(wide), self.rows)])
+        at = jnp.asarray(idx, jnp.int32)
+        axes = tuple(a for a in self._axes if a is not None)
+        rows, shared, tree = programs.split(self.cache, self._axes)
+        sub = programs.join(tree, self._axes, programs.take_rows(axes, rows, at), shared)
+        sub_logits, sub = self._extend(sub, idx, n_new)  # the old shared leaves are donated
+        sub_rows, shared, _ = programs.split(sub, self._axes)
+        self.cache = programs.join(tree, self._axes,
+                                   programs.put_rows(axes, rows, at, sub_rows), shared)
+        if logits is None:
+            logits = jnp.zeros((self.rows, sub_logits.shape[-1]), sub_logits.dtype)
+        return logits.at[at].set(sub_logits, mode="drop")
+
+    def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray):
+        """(logits, cache): the rows of `cache` hold scheduler rows `idx` (an index past the
+        batch: a stand-in), each extended by its n_new tokens of its context."""
+        count = np.array([n_new[i] if i < self.rows else 0 for i in idx], np.int32)
+        width = int(count.max())
         width = 1 if width == 1 else generate.bucket_length(width, self.max_len)
-        tokens = np.zeros((self.rows, width), np.int32)
-        for i, r in enumerate(self._slots):
-            if r is not None and n_new[i]:
-                tokens[i, : n_new[i]] = r.job.context[r.written: r.written + n_new[i]]
+        tokens = np.zeros((len(idx), width), np.int32)
+        for k, i in enumerate(idx):
+            r = self._slots[i] if i < self.rows else None
+            if r is not None and count[k]:
+                tokens[k, : count[k]] = r.job.context[r.written: r.written + count[k]]
         replay = self.replay if self.replay is not None and width > 1 else None
         replay_from = None
         if replay is not None:
-            replay_from = jnp.asarray([0 if r is None else self._replay_from(r)
-                                       for r in self._slots], jnp.int32)
+            replay_from = jnp.asarray([self._replay_from(self._slots[i])
+                                       if i < self.rows and self._slots[i] is not None else 0
+                                       for i in idx], jnp.int32)
         eng = self.engine
         with eng._on_mesh():
-            logits, self.cache = generate.prefill_program(
-                eng.graph, eng.state, jnp.asarray(tokens), jnp.asarray(n_new), self.cache,
-                replay, replay_from)
-        return logits
+            return generate.prefill_program(eng.graph, eng.state, jnp.asarray(tokens),
+                                            jnp.asarray(count), cache, replay, replay_from)
 
     def _draw(self, logits, drawing: list[int]) -> list[Event]:
         reqs = [None if r is None else r.job.req for r in self._slots]
