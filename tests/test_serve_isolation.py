@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dsattn import generate
+from dsattn.bench.compiles import compilations
 from dsattn.cache.paged import PagedCache
 from dsattn.cache.protocol import is_container
 from dsattn.errors import InputError
@@ -278,6 +279,27 @@ def test_prompts_prefilling_beside_decoding_rows_equal_their_solo_outputs(name):
             out[ev.request_id] += [] if ev.token is None else [ev.token]
     for rid, req in zip(ids, short + long):
         assert out[rid] == solo(eng, req), rid
+
+
+def test_after_warm_up_serving_compiles_nothing():
+    """warm_up compiles every program a step can run: serving a mix afterwards (decoding
+    rows, prefill chunks of every width over sub-batches and the whole batch, retirement)
+    compiles no program, and gives each request its solo output."""
+    eng = generate.Engine(tiny_model("mha", "model.n_layers=1"))
+    s = Scheduler(eng, 4, MAX_LEN, max_chunk=CHUNK)
+    assert s.warm_up() == 2 + 2  # widths 1 and 16 over the 4 rows; 16 over 1 and over 2
+    rng = np.random.RandomState(2)
+    reqs = [Request(rng.randint(0, 50, n).tolist(), m)
+            for n, m in [(3, 9), (20, 2), (30, 3), (5, 6), (17, 1), (9, 4)]]
+    with compilations() as compiled:
+        ids = [s.submit(r) for r in reqs[:3]]
+        first = s.step()
+        ids += [s.submit(r) for r in reqs[3:]]
+        outs = s.run()
+    assert compiled.n == 0
+    for rid, req in zip(ids, reqs):
+        drawn = [ev.token for ev in first if ev.request_id == rid and ev.token is not None]
+        assert drawn + outs.get(rid, []) == solo(eng, req)
 
 
 def test_a_prefill_step_advances_every_prefilling_row_by_its_width():

@@ -94,10 +94,8 @@ class Scheduler:
         self.engine, self.rows, self.max_len = engine, rows, max_len
         self.token_budget, self.max_chunk = token_budget, max_chunk
         self.replay = generate._check_replay(engine.cfg, replay)
-        state = engine.init_cache(rows, max_len)
-        if pool_tokens is not None:
-            state = with_pool(engine.cfg, state, pool_tokens)
-        self.cache = state
+        self._pool_tokens = pool_tokens
+        self.cache = state = self._empty()
         self.pools = pool_layers(engine.cfg, state)
         # Where each decode-state leaf keeps its rows (None: shared, as a page pool is), to
         # run prefill chunks over a sub-batch; not on a mesh, whose rows are sharded.
@@ -111,6 +109,13 @@ class Scheduler:
         self._pending: list[Event] = []  # finished without a step (max_new_tokens 0, cancel)
         self.generated = 0  # output tokens produced so far
         self.preemptions = 0
+
+    def _empty(self):
+        """An empty decode state of the scheduler's rows, max_len and pools."""
+        state = self.engine.init_cache(self.rows, self.max_len)
+        if self._pool_tokens is not None:
+            state = with_pool(self.engine.cfg, state, self._pool_tokens)
+        return state
 
     # -- requests -------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -296,24 +301,35 @@ class Scheduler:
         # The sub-batch: the prefilling rows, then stand-ins (indices past the batch) that
         # take no token and are dropped when the rows go back.
         idx = np.concatenate([wide, np.full(size - len(wide), self.rows)])
-        at = jnp.asarray(idx, jnp.int32)
-        axes = tuple(a for a in self._axes if a is not None)
-        rows, shared, tree = programs.split(self.cache, self._axes)
-        sub = programs.join(tree, self._axes, programs.take_rows(axes, rows, at), shared)
-        sub_logits, sub = self._extend(sub, idx, n_new)  # the old shared leaves are donated
-        sub_rows, shared, _ = programs.split(sub, self._axes)
-        self.cache = programs.join(tree, self._axes,
-                                   programs.put_rows(axes, rows, at, sub_rows), shared)
+        sub_logits, self.cache = self._extend_rows(self.cache, idx, n_new)
+        return self._merge(logits, idx, sub_logits)
+
+    def _merge(self, logits, idx: np.ndarray, sub_logits):
+        """The whole batch's logits with the sub-batch's rows `idx` in (None: no others)."""
         if logits is None:
             logits = jnp.zeros((self.rows, sub_logits.shape[-1]), sub_logits.dtype)
-        return logits.at[at].set(sub_logits, mode="drop")
+        return logits.at[idx].set(sub_logits, mode="drop")
 
-    def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray):
+    def _extend_rows(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None):
+        """`_extend` over a sub-batch: rows `idx` taken out of `cache`, extended and put back
+        (the pools, shared by every row, are the sub-batch's own: the old ones are donated)."""
+        at = jnp.asarray(idx, jnp.int32)
+        axes = tuple(a for a in self._axes if a is not None)
+        rows, shared, tree = programs.split(cache, self._axes)
+        sub = programs.join(tree, self._axes, programs.take_rows(axes, rows, at), shared)
+        logits, sub = self._extend(sub, idx, n_new, width)
+        sub_rows, shared, _ = programs.split(sub, self._axes)
+        return logits, programs.join(tree, self._axes,
+                                     programs.put_rows(axes, rows, at, sub_rows), shared)
+
+    def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None):
         """(logits, cache): the rows of `cache` hold scheduler rows `idx` (an index past the
-        batch: a stand-in), each extended by its n_new tokens of its context."""
+        batch: a stand-in), each extended by its n_new tokens of its context, in a program
+        of `width` tokens per row (default: the bucketed longest)."""
         count = np.array([n_new[i] if i < self.rows else 0 for i in idx], np.int32)
-        width = int(count.max())
-        width = 1 if width == 1 else generate.bucket_length(width, self.max_len)
+        if width is None:
+            width = int(count.max())
+            width = 1 if width == 1 else generate.bucket_length(width, self.max_len)
         tokens = np.zeros((len(idx), width), np.int32)
         for k, i in enumerate(idx):
             r = self._slots[i] if i < self.rows else None
@@ -330,7 +346,33 @@ class Scheduler:
             return generate.prefill_program(eng.graph, eng.state, jnp.asarray(tokens),
                                             jnp.asarray(count), cache, replay, replay_from)
 
-    def _draw(self, logits, drawing: list[int]) -> list[Event]:
+    def warm_up(self) -> int:
+        """Compile every program a step can run (each chunk width, over the whole batch and
+        over each sub-batch size; sampling; clearing rows) on a throwaway state, so that no
+        request waits for a compile later. Returns the number of (width, rows) shapes."""
+        cache = self._empty()
+        widths = sorted({1} | {generate.bucket_length(w, self.max_len)
+                               for w in range(2, self.max_chunk + 1)})
+        none, shapes = np.zeros(self.rows, np.int32), 0
+        for w in widths:
+            logits, cache = self._extend(cache, np.arange(self.rows), none, w)
+            shapes += 1
+        sizes = [] if self._axes is None else [1 << k for k in range(self.rows.bit_length())
+                                               if 1 << k < self.rows]
+        for size in sizes:
+            stand_ins = np.full(size, self.rows)  # no row: nothing changes
+            for w in widths[1:]:
+                sub_logits, cache = self._extend_rows(cache, stand_ins, none, w)
+                self._merge(None, stand_ins, sub_logits)
+                logits = self._merge(logits, stand_ins, sub_logits)
+                shapes += 1
+        self._sample(logits)
+        generate.check_cache(cache)
+        self._reset([])  # clears no row
+        return shapes
+
+    def _sample(self, logits) -> np.ndarray:
+        """Every row's token [rows], each drawn with its request's sampling (idle: greedy)."""
         reqs = [None if r is None else r.job.req for r in self._slots]
         field = lambda f, d: np.array([d if q is None else f(q) for q in reqs])  # noqa: E731
         steps = np.array([0 if r is None else len(r.job.output) for r in self._slots],
@@ -339,7 +381,10 @@ class Scheduler:
                                     jnp.asarray(steps),
                                     jnp.asarray(field(lambda q: q.temperature, 0.0), jnp.float32),
                                     jnp.asarray(field(lambda q: q.top_p, 1.0), jnp.float32))
-        toks = np.asarray(jax.device_get(toks))
+        return np.asarray(jax.device_get(toks))
+
+    def _draw(self, logits, drawing: list[int]) -> list[Event]:
+        toks = self._sample(logits)
         generate.check_cache(self.cache)  # a refused row or a dropped page would be a bug here
         events, done = [], []
         for i in drawing:
