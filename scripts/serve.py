@@ -13,6 +13,7 @@ Needs the `serve` extra (pip install -e ".[serve]"). Endpoints: POST /v1/complet
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,6 +44,9 @@ def parser():
     ap.add_argument("--replay", type=cli.positive_int, default=None,
                     help="bounded-replay prefill over the last R prompt positions (CED "
                          "configs; default: exact prefill)")
+    ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                    help="start serving before compiling every program a step can run (the "
+                         "first requests then wait for the compiles)")
     ap.add_argument("--step", type=cli.nonnegative_int, default=None,
                     help="checkpoint step to load (default: the latest)")
     return ap
@@ -65,6 +69,11 @@ def main(argv=None):
     sched = Scheduler(generate.Engine(model), args.rows, max_len, pool_tokens=args.pool_tokens,
                       token_budget=args.token_budget, max_chunk=args.max_chunk,
                       replay=args.replay)
+    if args.warm_up:
+        t0 = time.perf_counter()
+        shapes = sched.warm_up()
+        print(f"compiled {shapes} step shapes in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
     runner = Runner(sched).start()
     announce = lambda: print(f"serving on http://{args.host}:{args.port} (checkpoint step "  # noqa: E731
                              f"{step}, {args.rows} rows of {max_len} positions)",
