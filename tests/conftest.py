@@ -225,6 +225,17 @@ FULL = {
         "[tpu-1-fp4_ue8m0], [tpu-1-bf16] stay",
     "tests/test_v4.py::test_quantized_cache_decode_equals_fake_quant_forward[mla-formats2]":
         "[dsa-formats1] stays: DSA's latent cache is MLA's, in the same fp8_ds_mla format",
+    "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[mla]":
+        "[mha] stays",
+    "tests/test_kernels.py::test_paged_scores_kernel_matches_reference[tpu-1-fp4_ue8m0]":
+        "[tpu-1-bf16] stays; FP4 keys: test_reference_matches_indexer_scores[fp4_ue8m0]",
+    "tests/test_limits.py::test_cache_refuses_positions_past_max_len[v41]":
+        "[v4] stays (the same ring and paged containers)",
+    "tests/test_v4.py::test_future_tokens_never_leak[dsa]":
+        "test_properties.py::test_forward_is_causal[dsa] stays",
+    "tests/test_serve_isolation.py::test_prompts_prefilling_beside_decoding_rows_equal_their_"
+    "solo_outputs[v4]": "[mha] stays; a V4 sub-batch: test_each_request_equals_its_solo_"
+    "generate[v4]",
     "tests/test_indexer_impl.py::test_approx_topk_decode_equals_exact":
         "test_approx_topk_selects_the_exact_set_on_tie_free_scores stays",
     "tests/test_blocks.py::test_online_softmax_over_entry_blocks_equals_one_softmax[7]":

@@ -256,7 +256,7 @@ def test_row_axes_find_the_rows_and_leave_the_pools_shared():
             assert a is not None and x.shape[a] == 3
 
 
-@pytest.mark.parametrize("name", [pytest.param("mha", marks=pytest.mark.full), "v4"])
+@pytest.mark.parametrize("name", ["mha", "v4"])
 def test_prompts_prefilling_beside_decoding_rows_equal_their_solo_outputs(name):
     """Five rows decode while three long prompts arrive: the three prefill as a sub-batch of
     four rows (one stand-in for the last row of the batch, row 7, which one of them holds),

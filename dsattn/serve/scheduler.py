@@ -289,12 +289,16 @@ class Scheduler:
     def _run(self, n_new: np.ndarray):
         """Run this step's tokens; next-token logits [rows, V] (meaningless for rows that
         took none)."""
-        wide = np.flatnonzero(n_new > 1)
+        # Every prefilling row goes to the sub-batch, even one taking a single token: its
+        # chunk runs in the chunk program (under replay, too), as it would in one program.
+        prefilling = np.array([r is not None and len(r.job.context) - r.written > 1
+                               for r in self._slots]) & (n_new > 0)
+        wide = np.flatnonzero(prefilling) if n_new.max() > 1 else np.zeros(0, np.int64)
         size = 1 << (len(wide) - 1).bit_length() if len(wide) else 0
         if self._axes is None or not 0 < size < self.rows:
             logits, self.cache = self._extend(self.cache, np.arange(self.rows), n_new)
             return logits
-        narrow = np.where(n_new > 1, 0, n_new)
+        narrow = np.where(prefilling, 0, n_new)
         logits = None
         if narrow.any():
             logits, self.cache = self._extend(self.cache, np.arange(self.rows), narrow)
