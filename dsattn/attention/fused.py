@@ -70,7 +70,7 @@ def _merge(parts, sink):
 
 
 def _decode_step(read: Read, q):
-    """(the ring, the paged cache, the ids [B, k]) when `read` is one decode step a decode
+    """(the window, the paged cache, the ids [B, k]) when `read` is one decode step a decode
     kernel reads from the caches: one query per row, SHARED entries read whole as K and V,
     a window with its ring and a global part in a paged cache, no KL target. Else None."""
     glob = read.global_read
@@ -87,7 +87,7 @@ def _decode_step(read: Read, q):
     else:
         sel = glob.selection
         idx = jnp.where(sel.ok, sel.idx, -1)[:, 0]
-    return windows[0].ring, cache, idx
+    return windows[0], cache, idx
 
 
 def adapter(dense, sparse, entry_mass, decode=None):
@@ -99,9 +99,8 @@ def adapter(dense, sparse, entry_mass, decode=None):
         heads, pos = q.shape[2], read.positions
         step = None if decode is None else _decode_step(read, q)
         if step is not None:
-            ring, cache, idx = step
-            window = next(p for p in read.parts if isinstance(p, Window))
-            out, _ = decode(q[:, 0], pos[:, 0], ring, cache, idx, window=window.size,
+            window, cache, idx = step
+            out, _ = decode(q[:, 0], pos[:, 0], window.ring, cache, idx, window=window.size,
                             scale=read.scale, sink=read.sink)
             return epilogue(out[:, None], pos), None
         common = dict(scale=read.scale, q_positions=pos)

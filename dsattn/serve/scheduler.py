@@ -9,7 +9,8 @@ Each `step()` the host decides and the device computes:
    prefilling row a chunk of its context, the chunks sharing what a per-step token budget
    leaves after the decoding rows (oldest first), so a long prompt does not stall the rest;
    the widest chunk sets the step's width, and every other prefilling row takes up to that
-   width too (the chunk program computes [rows, width] positions whatever the rows take);
+   width too (the chunk program computes every prefilling row at that width whatever it
+   takes);
    if the pools cannot hold the step's pages, preempt the youngest row (its pages released,
    the request requeued first with its output so far, which is recomputed as prompt later);
 3. run the step (generate.prefill_program): the rows taking one token over the whole batch
@@ -234,9 +235,9 @@ class Scheduler:
 
     def _chunks(self) -> np.ndarray:
         """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
-        what the budget leaves; then, since the prefilling rows run as one [rows, width]
-        program whatever each takes, every prefilling row takes up to that width (no extra
-        work)."""
+        what the budget leaves; then, since the prefilling rows run as one program of the
+        widest chunk's width whatever each takes, every prefilling row takes up to that
+        width (no extra work)."""
         n = np.zeros(self.rows, np.int32)
         prefilling = []
         for i, r in enumerate(self._slots):
@@ -367,7 +368,7 @@ class Scheduler:
             stand_ins = np.full(size, self.rows)  # no row: nothing changes
             for w in widths[1:]:
                 sub_logits, cache = self._extend_rows(cache, stand_ins, none, w)
-                self._merge(None, stand_ins, sub_logits)
+                self._merge(None, stand_ins, sub_logits)  # a step with no decoding rows
                 logits = self._merge(logits, stand_ins, sub_logits)
                 shapes += 1
         self._sample(logits)
