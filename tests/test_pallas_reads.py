@@ -104,16 +104,20 @@ def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
     assert text.count("xla.gpu.triton") >= 2 * 3 + 3
 
 
-def test_a_v4_decode_step_reads_window_and_picks_in_the_decode_kernel(monkeypatch):
-    """A window + CSA stack's decode step, lowered for CUDA: the CSA layer reads its window
-    (the ring) and its picked entries (ids into the paged cache) in one decode kernel, and
-    the window-only layer through the dense kernel."""
+@pytest.mark.parametrize("name", ["csa", "mla", "dsa", pytest.param("v4", marks=pytest.mark.full),
+                                  pytest.param("v41", marks=pytest.mark.full)])
+def test_a_decode_step_reads_each_layer_in_one_decode_kernel(monkeypatch, name):
+    """A decode step, bfloat16, lowered for CUDA: every layer (a window with its ring, picks
+    or every complete entry of a paged cache, MLA's contiguous latents, DSA's picked tokens)
+    reads what it attends to in one decode kernel, and no other attention kernel runs."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    cfg = case("csa", FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
+    cfg = case(name, FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
     eng = lower.abstract_engine(cfg)
     cache = jax.eval_shape(lambda: eng.init_cache(2, 64))
     text = generate.decode_program.trace(
         eng.graph, eng.state, jax.ShapeDtypeStruct((2,), jnp.int32), cache).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count('"decode_attention"') == 1
-    assert text.count('"dense_attention_fwd"') == 1
+    kernels = re.findall(r'\bname = "([^"]*)", num_stages', text)
+    assert len(kernels) == text.count("xla.gpu.triton")  # every kernel named
+    assert kernels.count("decode_attention") == cfg.model.n_layers
+    assert set(kernels) <= {"decode_attention", "indexer_score"}  # and the indexer's scores

@@ -52,12 +52,15 @@ class Keys:
     q_pos[b, i]`` and ``seen[b, j]`` (None: every key). ``arrays``: the layout's key and
     value arrays. ``sequence``: the keys are the training sequence itself (key j at position
     j, the queries the same positions), so a causal segment of query blocks reads only the
-    keys before its end."""
+    keys before its end. ``slots`` (SHARED layout only, or None): the same keys as a
+    contiguous cache stores them (`cache.contiguous.Slots`), which a decode kernel reads in
+    place of the decoded ``arrays``."""
 
     arrays: tuple
     pos: jax.Array
     seen: jax.Array | None = None
     sequence: bool = struct.field(pytree_node=False, default=False)
+    slots: Any = None
 
 
 GLOBAL = (reads.Visible, reads.Picked)

@@ -6,10 +6,11 @@ selected-entries kernel and its entry-mass pass into a registry entry.
         -> (out [B, T, H, dv], lse [B, T, H])          q [B,T,H,dk], k/v [B,S,Hk,dk|dv]
     sparse(q, store, idx, *, scale, sink, value) -> (out, lse)   store [B,N,c], idx [B,T,k]
     entry_mass(q, store, idx, lse, *, scale) -> [B, T, k]   probability per pick, over heads
-    decode(q, q_pos, ring, cache, idx, *, window, scale, sink) -> (out, lse)   optional:
-        one decode step's window (the ring after the step's write) and picks (ids into a
-        paged cache) in one call, both read from the caches in their stored formats;
-        q [B, H, c], q_pos [B], idx [B, k]
+    decode(q, q_pos, parts, *, scale, sink, value_dim) -> (out, lse)   optional: one
+        decode step's parts (kernels/decode_attention.py: a window's ring after the step's
+        write, picks or every visible entry of a paged cache, a contiguous cache's slots,
+        the step's own keys) in one call, read from the caches in their stored formats;
+        q [B, H, c], q_pos [B]
 
 Each part of the read is one kernel call over the whole sequence (a kernel blocks it
 itself); the parts are merged by their log-sum-exp with the sink added once, the
@@ -29,6 +30,7 @@ from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.attend import Keys, Layout, Read
 from dsattn.attention.local import Window
 from dsattn.cache.paged import PagedCache
+from dsattn.kernels import decode_attention
 
 
 def _contract_q(read: Read, q):
@@ -69,25 +71,35 @@ def _merge(parts, sink):
     return out.astype(parts[0][0].dtype), lse
 
 
-def _decode_step(read: Read, q):
-    """(the window, the paged cache, the ids [B, k]) when `read` is one decode step a decode
-    kernel reads from the caches: one query per row, SHARED entries read whole as K and V,
-    a window with its ring and a global part in a paged cache, no KL target. Else None."""
-    glob = read.global_read
-    windows = [p for p in read.parts if isinstance(p, Window) and p.ring is not None]
-    if (q.shape[1] != 1 or read.layout is not Layout.SHARED or read.value_dim is not None
-            or read.target is not None or glob is None or len(windows) != 1
-            or len(read.parts) != 2 or not isinstance(glob.store, PagedCache)):
+def _decode_parts(read: Read, q):
+    """The parts (kernels/decode_attention.py) a decode kernel reads `read` by, from the
+    caches as stored, when it is one decode step it can read: one query per row, SHARED
+    entries, no KL target, every part a window with its ring, a global read of a paged cache,
+    a contiguous cache's slots or a few keys as computed. Else None."""
+    if q.shape[1] != 1 or read.layout is not Layout.SHARED or read.target is not None:
         return None
-    cache = glob.store
-    if isinstance(glob, reads.Visible):  # every complete entry, by position
-        n = cache.page_table.shape[1] * cache.page_size
-        ids = jnp.arange(n, dtype=jnp.int32)
-        idx = jnp.where(ids < ((read.positions[:, :1] + 1) // glob.stride), ids, -1)
-    else:
-        sel = glob.selection
-        idx = jnp.where(sel.ok, sel.idx, -1)[:, 0]
-    return windows[0], cache, idx
+    q_pos, parts = read.positions[:, 0], []
+    for part in read.parts:
+        if isinstance(part, Window) and part.ring is not None:
+            parts.append(decode_attention.window(part.ring, part.size))
+        elif isinstance(part, reads.Visible) and isinstance(part.store, PagedCache):
+            parts.append(decode_attention.visible(part.store, q_pos, part.stride))
+        elif (isinstance(part, reads.Picked) and isinstance(part.store, PagedCache)
+              and part.selection.dense is None):
+            sel = part.selection
+            parts.append(decode_attention.picks(part.store, jnp.where(sel.ok, sel.idx, -1)[:, 0]))
+        elif isinstance(part, Keys) and part.slots is not None:
+            sl = part.slots
+            parts.append(decode_attention.prefix(sl.stored, sl.fmt, sl.rope, sl.count))
+        elif isinstance(part, Keys) and part.pos.shape[1] <= _OWN_KEYS:
+            pos = part.pos if part.seen is None else jnp.where(part.seen, part.pos, -1)
+            parts.append(decode_attention.values(part.arrays[0], pos))
+        else:
+            return None
+    return parts
+
+
+_OWN_KEYS = 64  # keys as computed that one kernel program walks (a step's own token)
 
 
 def adapter(dense, sparse, entry_mass, decode=None):
@@ -97,11 +109,10 @@ def adapter(dense, sparse, entry_mass, decode=None):
     def run(read: Read, prologue, epilogue):
         q = _contract_q(read, prologue(read.q))
         heads, pos = q.shape[2], read.positions
-        step = None if decode is None else _decode_step(read, q)
-        if step is not None:
-            window, cache, idx = step
-            out, _ = decode(q[:, 0], pos[:, 0], window.ring, cache, idx, window=window.size,
-                            scale=read.scale, sink=read.sink)
+        parts = None if decode is None else _decode_parts(read, q)
+        if parts is not None:
+            out, _ = decode(q[:, 0], pos[:, 0], parts, scale=read.scale, sink=read.sink,
+                            value_dim=read.value_dim)
             return epilogue(out[:, None], pos), None
         common = dict(scale=read.scale, q_positions=pos)
         local = []

@@ -74,8 +74,8 @@ class MHA(nnx.Module):
         q, k, v = self._qkv(x, positions)
 
         def read(segments):  # a prefill chunk by query blocks; decode is one block
-            return self._read(q, positions, tuple(attend.Keys(kv, k_pos, seen)
-                                                  for kv, k_pos, seen in segments))
+            return self._read(q, positions, tuple(attend.Keys(seg.values, seg.pos, seg.seen)
+                                                  for seg in segments))
 
         out, (ck, cv) = contiguous.extend((cache.k, cache.v), (k, v), positions, valid,
                                           read, self.dtype)

@@ -15,6 +15,8 @@ written would give the same numbers; keeping it apart lets a view that holds its
 (cache.protocol) run the same code.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -79,13 +81,35 @@ def _store(c: Contiguous, stored: dict, slots, enc: dict) -> dict:
     return formats.store(stored, (rows, slots), enc)
 
 
+@struct.dataclass
+class Slots:
+    """Slots 0 .. count[b] - 1 of each row of a (not heads-first) contiguous cache, as
+    stored (``stored`` [B, L, ...]): what a kernel may read in place of their decoded
+    values (kernels/decode_attention.py)."""
+
+    stored: dict
+    count: jax.Array
+    fmt: str = struct.field(pytree_node=False)
+    rope: int = struct.field(pytree_node=False)
+
+
+class Segment(NamedTuple):
+    """Keys under one softmax: ``values`` one per cache, decoded, in the storage layout;
+    key positions [B, S]; which are visible [B, S]; ``slots`` (one `Slots` per cache) when
+    they are a prefix of each row's stored slots, else None."""
+
+    values: tuple
+    pos: jax.Array
+    seen: jax.Array
+    slots: tuple | None = None
+
+
 def extend(caches: tuple, new: tuple, positions, valid, fn, dtype):
     """(fn(segments), the caches with the chunk written): a chunk of tokens (positions, valid
     [B, T]) appended to one layer's caches and attending over them. `new`: the chunk's
-    values for each cache, [B, T, *inner, w]. `segments`: [(values, key positions [B, S],
-    visible [B, S])], values one per cache decoded to `dtype` in the storage layout; one
-    softmax spans them: every slot before each row's chunk (read in place), then the
-    chunk's tokens as the cache returns them."""
+    values for each cache, [B, T, *inner, w]. `segments`: two `Segment`s under one softmax:
+    every slot before each row's chunk (read in place), then the chunk's tokens as the
+    cache returns them."""
     first = caches[0]
     slots = jnp.broadcast_to(jnp.arange(first.max_len), (positions.shape[0], first.max_len))
     decoded = lambda stored: tuple(formats.decode(c.fmt, s, dtype)  # noqa: E731
@@ -93,8 +117,14 @@ def extend(caches: tuple, new: tuple, positions, valid, fn, dtype):
     encoded = tuple(_encoded(c, v) for c, v in zip(caches, new))
     at = jnp.where(valid, positions, first.max_len)
     caches = tuple(c.replace(stored=_store(c, c.stored, at, e)) for c, e in zip(caches, encoded))
-    fresh = (decoded(encoded), positions, valid)
-    before = slots < positions[:, :1]  # each row's chunk starts at its first position
-    out = reading(tuple(c.stored for c in caches),
-                  lambda stored: fn([(decoded(stored), slots, before), fresh]))
+    fresh = Segment(decoded(encoded), positions, valid)
+    start = positions[:, 0]  # each row's chunk starts at its first position
+    before = slots < start[:, None]
+
+    def prefix(stored):
+        held = None if first.heads_first else tuple(
+            Slots(s, start, c.fmt, c.rope) for c, s in zip(caches, stored))
+        return Segment(decoded(stored), slots, before, held)
+
+    out = reading(tuple(c.stored for c in caches), lambda stored: fn([prefix(stored), fresh]))
     return out, caches

@@ -1,46 +1,47 @@
-"""One decode step's V4-family sink attention, read straight from the caches.
+"""One decode step's attention over entries every head reads whole as key and value (the V4
+family's window and compressed entries, MLA's absorbed latents, DSA's picked tokens), read
+straight from the caches in their stored formats.
 
-    s_j   = scale · q[b, h] · e_j     over (a) the window's ring slots, (b) the picked entries
-    lse   = log(Σ_j exp(s_j) + exp(sink[h]))
-    out   = Σ_j exp(s_j - lse) · e_j                       (K = V = the entry, all heads)
+    s_j   = scale · q[b, h] · e_j     over the entries j of every part
+    lse   = log(Σ_j exp(s_j) [+ exp(sink[h])])
+    out   = Σ_j exp(s_j - lse) · e_j[:value_dim]           (K = V = the entry, all heads)
 
-(a) ring slot j is read when its position p_j satisfies q_pos - window < p_j <= q_pos
-(``ring.window_mask``; -1 = empty slot, so a row whose window is not yet full reads only
-what it holds); (b) pick id i of row b is read when 0 <= i < length[b] (an id -1, or past the
-row's entries, is no pick), from the paged cache through the row's page table. Both are read
-in their stored cache format (``dsattn.cache.formats.FORMATS``: element and scale codecs)
-and dequantized inside the kernel. Returns (out [B, H, c] in q's dtype, lse [B, H] float32;
-scores, partials and lse are float64 for float64 inputs).
+A read is a few parts under one softmax, each one of two kinds:
 
-- ``reference``: the same from today's reads (``paged.gather``, ``ring.read``,
-  ``ring.window_mask``) and one plain-jnp softmax: the oracle. tests/test_decode_attention.py
-  checks that it equals ``attention.reference.block_attention`` over the parts ``V4Attention.extend``
-  builds (ring read before the write + the step's own key), and the kernel against it.
+- `Paged`: entries in the pages of a pool, found through each row's page table: the ids a
+  selection picks (`picks`: V4's CSA and V4.1's shared picks, DSA's tokens), or every id
+  below a bound (`visible`: HCA's complete entries; `prefix`: a contiguous cache's slots
+  before the step, MLA's latents, as one page per row). An id is read when 0 <= id <
+  ``limit[b]``; -1 and ids past it are no pick, so k may exceed the entries there are.
+- `Own`: each row's own few entries with their positions: the window's ring (`window`; read
+  when q_pos - window < p <= q_pos, -1 an empty slot, so a window not yet full reads only
+  what it holds) or the step's own token as computed (`values`).
+
+Returns (out [B, H, value_dim] in q's dtype, lse [B, H]: float32, float64 for float64 inputs).
+
+- ``reference``: the same by gathering and decoding every part in XLA (``formats.decode``)
+  and one plain softmax: the oracle. tests/test_decode_attention.py checks it against
+  today's reads (``paged.gather``, ``ring.read``, a contiguous cache decoded whole) and
+  ``attention.reference.block_attention``, and the kernel against it.
 - ``attention``: the Pallas kernel (Triton-style ``jax.experimental.pallas``; interpret=True
   on CPU; it lowers for CUDA). Forward only (decode needs no gradient).
 
-How a layer calls it: `attention.impl=pallas_gpu` (kernels/pallas_reads.py) routes a V4
-family decode step here from the adapter (attention/fused.py): after ``ring.write`` of the
-step's key (the ring then holds exactly the window q_pos - W + 1 .. q_pos that
-``ring.local_keys`` builds before the write; the layer passes it as ``Window.ring``) and the
-source's append and selection, ``attention(q[:, 0], positions[:, 0], ring, the paged cache
-(own or borrowed), idx, window=W, scale, sink)`` with idx the selection's ids where ``ok``
-(else -1); HCA passes every visible id. Then the inverse RoPE and the grouped output
-projection as before. It needs of the caches only the ring's stored arrays and positions and
-one paged field's pool and page table (``paged.pool``).
-
-Kernel: grid (batch row, split). Splits 0..S-1 each walk a contiguous share of the picks,
-``block_k`` at a time (flash-decoding: split-K over the picks, each split an online softmax
-with its partial (out, lse)); split S walks the ring. A block's rows are found in-kernel
-(id -> page table -> pool row; slot -> ring row), loaded once for all heads (heads are the M
-dim of the [H, c] x [c, bk] score dot and the [H, bk] x [bk, c] mixing dot) and dequantized
-chunk by chunk: an entry's stored arrays are cut into power-of-two column chunks (Triton
-tiles; a packed E2M1 chunk is read twice, its low then its high nibbles), each chunk's scale
-columns broadcast over it, and q is permuted in the wrapper so each chunk meets its own
-channels (the output is permuted back). The S + 1 partials and the sink merge in XLA by
-their lse. On a GPU this one launch replaces today's gather + dequantize + two score
-products + softmax + mix (and the ring's decode): what the picks and the window cost is one
-read of their stored bytes. Its speed is not measured (no GPU in this session).
+Kernel: grid (batch row, program). Each part has its programs: a `Paged` part of picks
+splits its ids into equal shares; a `Paged` part read by bound shares the row's live blocks
+(ceil(limit / block_k), known only at run time: the walk's trip count is dynamic, so a row
+reads what its context holds, not the cache's capacity); an `Own` part is one program.
+Flash-decoding: a program walks its share ``block_k`` entries at a time with an online
+softmax and writes its partial (out, lse); the partials and the sink merge in XLA by their
+lse. A block's rows are found in the kernel (id -> page table -> pool row; slot -> row),
+loaded once for all heads (heads are the M dim of the [H, c] x [c, bk] score dot and the
+[H, bk] x [bk, c] mixing dot) and dequantized chunk by chunk: an entry's stored arrays are
+cut into power-of-two column chunks (Triton tiles; a packed E2M1 chunk is read twice, its
+low then its high nibbles), each chunk's scale columns broadcast over it, and q is permuted
+in the wrapper so each chunk meets its own channels (the output is permuted back). A chunk
+holding no value channel (MLA's rotary dims) is not mixed. On a GPU this one launch
+replaces the gather, the dequantize, two score products, the softmax and the mix: what a
+step's entries cost is one read of their stored bytes. Its speed is not measured (no GPU
+in the sessions that wrote it).
 """
 
 from __future__ import annotations
@@ -54,39 +55,136 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsattn.cache import formats, paged, ring as ring_lib
+from dsattn.cache import formats, paged
 
-DEFAULTS = dict(block_k=64, splits=4, num_warps=4, num_stages=2)
+DEFAULTS = dict(
+    block_k=64,  # entries per step (fewer when a tile would pass tile_bytes)
+    tile_bytes=64 * 1024,  # one [block_k, c] tile in q's dtype: Triton keeps it on chip
+    splits=4,  # programs per row a part of picks or by bound gets at least
+    programs=264,  # ... and up to this many programs in all: two per SM of an H100/H200
+    num_warps=4, num_stages=2)
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
 
 
-def _check(q, q_pos, ring, cache, idx, name, sink):
-    if q.ndim != 3 or idx.ndim != 2 or q_pos.shape != q.shape[:1]:
-        raise ValueError(f"decode_attention: want q [B, H, c], q_pos [B], idx [B, k]; got "
-                         f"q {q.shape}, q_pos {q_pos.shape}, idx {idx.shape}")
+# -- what a step reads ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Paged:
+    """Entries in the pages of a pool: ``stored`` the format's arrays [pages, page_size,
+    ...], ``table`` int [B, slots] the page of each row's slot (id // page_size), ``limit``
+    int [B] (ids read are below it), ``ids`` int [B, k] the ids to read (-1: none), or None:
+    every id below the limit."""
+
+    stored: dict
+    table: jax.Array
+    limit: jax.Array
+    ids: jax.Array | None
+    fmt: str
+    rope: int
+
+    @property
+    def page_size(self) -> int:
+        return next(iter(self.stored.values())).shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Own:
+    """Each row's own entries: ``stored`` the format's arrays [B, n, ...], ``pos`` int
+    [B, n] (-1: empty); read when pos <= q_pos and, with a ``window``, pos > q_pos - window."""
+
+    stored: dict
+    pos: jax.Array
+    fmt: str
+    rope: int
+    window: int | None
+
+
+def picks(cache: paged.PagedCache, idx, name: str = "entry") -> Paged:
+    """The entries ``idx`` [B, k] (-1: none) of a paged cache's field."""
+    pages, table = paged.pool(cache, name)
+    f = cache.fields[name]
+    return Paged(pages, table, cache.length.reshape(-1), jnp.asarray(idx, jnp.int32), f.fmt,
+                 f.rope)
+
+
+def visible(cache: paged.PagedCache, q_pos, stride: int, name: str = "entry") -> Paged:
+    """Every entry of a paged cache's field complete at q_pos [B] (id < (q_pos + 1) //
+    stride)."""
+    pages, table = paged.pool(cache, name)
+    f = cache.fields[name]
+    limit = jnp.minimum(cache.length.reshape(-1), (jnp.asarray(q_pos) + 1) // stride)
+    return Paged(pages, table, limit.astype(jnp.int32), None, f.fmt, f.rope)
+
+
+def prefix(stored: dict, fmt: str, rope: int, count) -> Paged:
+    """Slots 0 .. count[b] - 1 of a contiguous cache (``stored`` [B, L, ...]): one page per
+    row."""
+    rows = jnp.asarray(count).shape[0]
+    return Paged(stored, jnp.arange(rows, dtype=jnp.int32)[:, None],
+                 jnp.asarray(count, jnp.int32), None, fmt, rope)
+
+
+def window(ring, size: int) -> Own:
+    """A ring's slots (`cache.ring.Ring`, after the step's write) inside a window of
+    ``size`` positions."""
+    return Own(ring.kv, ring.pos, ring.fmt, ring.rope, int(size))
+
+
+def values(v, pos) -> Own:
+    """Entries as computed, v [B, n, c] at positions pos [B, n] (-1: none)."""
+    return Own({"v": v}, pos, "native", 0, None)
+
+
+def _check(q, q_pos, parts, sink):
+    if q.ndim != 3 or q_pos.shape != q.shape[:1]:
+        raise ValueError(f"decode_attention: want q [B, H, c] and q_pos [B]; got q {q.shape},"
+                         f" q_pos {q_pos.shape}")
+    if not parts:
+        raise ValueError("decode_attention: nothing to read (no parts)")
     b, h, c = q.shape
-    if idx.shape[0] != b or ring.pos.shape[0] != b or cache.length.shape[-1] != b:
-        raise ValueError("decode_attention: q, idx, the ring and the paged cache disagree on B")
-    if cache.fields[name].width != c:
-        raise ValueError(f"decode_attention: field {name!r} has width "
-                         f"{cache.fields[name].width}, q has {c}")
+    for p in parts:
+        rows = p.table.shape[0] if isinstance(p, Paged) else p.pos.shape[0]
+        if rows != b or (isinstance(p, Paged) and p.ids is not None and p.ids.shape[0] != b):
+            raise ValueError(f"decode_attention: q has {b} rows, a {type(p).__name__} part "
+                             f"{rows}")
+        want = formats.abstract(p.fmt, (), c, p.rope)
+        if sorted(want) != sorted(p.stored) or any(
+                p.stored[k].shape[2:] != want[k].shape for k in want):
+            raise ValueError(f"decode_attention: a {type(p).__name__} part's {p.fmt!r} "
+                             f"arrays do not hold entries of q's width {c}")
     if sink is not None and sink.shape != (h,):
         raise ValueError(f"decode_attention: sink must be [{h}], got {sink.shape}")
 
 
-# -- the semantics from today's reads --------------------------------------------------------
-def reference(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=None,
-              name: str = "entry"):
-    """(out [B, H, c] in q's dtype, lse [B, H] float32) from ``paged.gather`` of the picks
-    and ``ring.read`` of the window (module docstring)."""
-    _check(q, q_pos, ring, cache, idx, name, sink)
+# -- the semantics by XLA gathers ------------------------------------------------------------
+def _gathered(part, q_pos, dtype):
+    """(entries [B, n, c] in ``dtype``, read [B, n]) of one part."""
+    if isinstance(part, Own):
+        kv = {k: a[...] for k, a in part.stored.items()}
+        pos = part.pos[...]
+        read = (pos >= 0) & (pos <= q_pos[:, None])
+        if part.window is not None:
+            read &= pos > q_pos[:, None] - part.window
+        return formats.decode(part.fmt, kv, dtype), read
+    ps, slots = part.page_size, part.table.shape[1]
+    ids = (jnp.broadcast_to(jnp.arange(slots * ps, dtype=jnp.int32), (part.table.shape[0],
+                                                                      slots * ps))
+           if part.ids is None else part.ids)
+    read = (ids >= 0) & (ids < part.limit[:, None])
+    safe = jnp.where(read, ids, 0)
+    page = jnp.maximum(jnp.take_along_axis(part.table, safe // ps, axis=1), 0)
+    kv = {k: a[...][page, safe % ps] for k, a in part.stored.items()}
+    return formats.decode(part.fmt, kv, dtype), read
+
+
+def reference(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None = None):
+    """(out [B, H, value_dim] in q's dtype, lse [B, H]) of `parts` (module docstring) by
+    gathering and decoding them in XLA."""
+    _check(q, q_pos, parts, sink)
     sd = jnp.promote_types(q.dtype, jnp.float32)
-    picked, got = cache.gather(name, idx, q.dtype)  # [B, k, c]
-    keys, key_pos = ring_lib.read(ring, q.dtype)  # [B, W, c]
-    seen = ring_lib.window_mask(key_pos, q_pos[:, None], window)[:, 0]
-    entries = jnp.concatenate([picked, keys], axis=1).astype(sd)
-    mask = jnp.concatenate([got, seen], axis=1)
+    got = [_gathered(p, q_pos, q.dtype) for p in parts]
+    entries = jnp.concatenate([e for e, _ in got], axis=1).astype(sd)
+    mask = jnp.concatenate([r for _, r in got], axis=1)
     s = jnp.einsum("bhc,bsc->bhs", q.astype(sd), entries,
                    precision=jax.lax.Precision.HIGHEST) * scale
     s = jnp.where(mask[:, None, :], s, -jnp.inf)
@@ -95,7 +193,8 @@ def reference(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=Non
                             axis=-1)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])[..., :entries.shape[1]]
-    out = jnp.einsum("bhs,bsc->bhc", p, entries, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("bhs,bsc->bhc", p, entries[..., :value_dim],
+                     precision=jax.lax.Precision.HIGHEST)
     return out.astype(q.dtype), lse
 
 
@@ -185,160 +284,213 @@ def _tile(layout: _Layout, refs, rows, chunk: _Chunk, dtype):
     return x.astype(dtype)
 
 
+# -- the kernel ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _PartPlan:
+    """One part as the kernel walks it: its programs [first, first + programs), the refs it
+    reads (indices into the kernel's inputs) and how it finds a block's rows."""
+
+    layout: _Layout
+    mixed: tuple  # per chunk: whether it holds a value channel
+    first: int
+    programs: int
+    q: int
+    arrays: tuple
+    paged: bool
+    ids: int | None  # Paged: the ids' ref (None: every id below the limit)
+    limit: int | None
+    table: int | None
+    page_size: int
+    n_slots: int  # Paged: the table's slots per row; Own: the row's entries
+    blocks: int  # Paged with ids, Own: blocks per program; Paged by bound: at most, per row
+    pos: int | None  # Own: the positions' ref
+    window: int | None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     scale: float
-    window: int
-    slots: int  # ring slots W
-    page_size: int
-    n_slots: int  # page slots per row
     block_k: int
-    blocks_per_split: int
-    ring_blocks: int
-    splits: int
-    interpret: bool
+    qpos: int
+    parts: tuple
     precision: object
-    num_warps: int
-    num_stages: int
     acc: object  # accumulators: float32, float64 for float64 inputs
 
 
-def _kernel(q_main_ref, q_win_ref, qpos_ref, idx_ref, len_ref, pt_ref, rpos_ref, *rest,
-            plan, main, win):
-    nm, nw = len(main.names), len(win.names)
-    main_refs, win_refs = rest[:nm], rest[nm:nm + nw]
-    o_ref, lse_ref = rest[nm + nw:]
-    b, j = pl.program_id(0), pl.program_id(1)
-    acc = plan.acc
-    bk = plan.block_k
+def _bounds(part: _PartPlan, refs, b, jj, bk):
+    """(first block, end block) program jj of the part walks in row b."""
+    if not part.paged or part.ids is not None:
+        return 0, part.blocks
+    live = jnp.minimum((refs[part.limit][b] + bk - 1) // bk, part.blocks)
+    per = (live + part.programs - 1) // part.programs
+    lo = jnp.minimum(jj * per, live)
+    return lo, jnp.minimum(lo + per, live)
 
-    def walk(layout, refs, q_ref, n_blocks, locate):
-        q = q_ref[...]
-        heads = q.shape[0]
 
-        def step(i, state):
-            m, l, outs = state
-            ok, rows = locate(i)
-            tiles = [_tile(layout, refs, rows, ch, q.dtype) for ch in layout.chunks]
-            s, off = 0.0, 0
-            for ch, t in zip(layout.chunks, tiles):
-                s = s + jax.lax.dot_general(q_ref[:, pl.ds(off, ch.n)], t, _NT,
-                                            precision=plan.precision,
-                                            preferred_element_type=acc)
-                off += ch.n
-            s = jnp.where(ok[None, :], s * plan.scale, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
-            p = jnp.exp(s - shift[:, None])
-            alpha = jnp.exp(m - shift)
-            outs = tuple(o * alpha[:, None] + jax.lax.dot_general(
-                p.astype(t.dtype), t, _NN, precision=plan.precision,
-                preferred_element_type=acc) for o, t in zip(outs, tiles))
-            return m_new, l * alpha + jnp.sum(p, axis=1), outs
-
-        start = (jnp.full((heads,), -jnp.inf, acc), jnp.zeros((heads,), acc),
-                 tuple(jnp.zeros((heads, ch.n), acc) for ch in layout.chunks))
-        m, l, outs = jax.lax.fori_loop(0, n_blocks, step, start)
-        seen = l > 0
-        l = jnp.where(seen, l, 1)
-        off = 0
-        for ch, o in zip(layout.chunks, outs):
-            o_ref[:, pl.ds(off, ch.n)] = o / l[:, None]
-            off += ch.n
-        lse_ref[...] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
-
-    length = len_ref[b]
-
-    def pick_block(i):  # ids -> page table -> pool rows
-        ids = idx_ref[pl.ds((j * plan.blocks_per_split + i) * bk, bk)]
-        ok = (ids >= 0) & (ids < length)
-        safe = jnp.where(ok, ids, 0)
-        slot = jnp.minimum(jax.lax.div(safe, jnp.int32(plan.page_size)), plan.n_slots - 1)
-        page = jnp.maximum(pt_ref[b, slot], 0)
-        return ok, page * plan.page_size + jax.lax.rem(safe, jnp.int32(plan.page_size))
-
-    qpos = qpos_ref[b]
-
-    def ring_block(i):  # ring slots -> ring rows
+def _locate(part: _PartPlan, refs, b, jj, i, qpos, bk):
+    """(which of block i's entries are read [bk], their rows in the flattened arrays)."""
+    if not part.paged:  # a row's own entries: slot -> row
         slot = i * bk + jax.lax.iota(jnp.int32, bk)
-        pos = rpos_ref[pl.ds(i * bk, bk)]
-        ok = (slot < plan.slots) & (pos >= 0) & (pos <= qpos) & (pos > qpos - plan.window)
-        return ok, b * plan.slots + jnp.minimum(slot, plan.slots - 1)
+        pos = refs[part.pos][pl.ds(i * bk, bk)]
+        ok = (slot < part.n_slots) & (pos >= 0) & (pos <= qpos)
+        if part.window is not None:
+            ok &= pos > qpos - part.window
+        return ok, b * part.n_slots + jnp.minimum(slot, part.n_slots - 1)
+    if part.ids is None:
+        ids = i * bk + jax.lax.iota(jnp.int32, bk)
+    else:
+        ids = refs[part.ids][pl.ds((jj * part.blocks + i) * bk, bk)]
+    ok = (ids >= 0) & (ids < refs[part.limit][b])
+    safe = jnp.where(ok, ids, 0)
+    ps = jnp.int32(part.page_size)
+    slot = jnp.minimum(jax.lax.div(safe, ps), part.n_slots - 1)
+    page = jnp.maximum(refs[part.table][b, slot], 0)
+    return ok, page * ps + jax.lax.rem(safe, ps)
 
-    @pl.when(j < plan.splits)
-    def _picks():
-        walk(main, main_refs, q_main_ref, plan.blocks_per_split, pick_block)
 
-    @pl.when(j == plan.splits)
-    def _window():
-        walk(win, win_refs, q_win_ref, plan.ring_blocks, ring_block)
+def _walk(plan: _Plan, part: _PartPlan, refs, b, jj, o_ref, lse_ref):
+    """The part's share of row b as a partial (out, lse): an online softmax over blocks."""
+    layout, acc, bk = part.layout, plan.acc, plan.block_k
+    arrays = [refs[i] for i in part.arrays]
+    q_ref, qpos = refs[part.q], refs[plan.qpos][b]
+    heads = q_ref.shape[0]
+
+    def step(i, state):
+        m, l, outs = state
+        ok, rows = _locate(part, refs, b, jj, i, qpos, bk)
+        tiles = [_tile(layout, arrays, rows, ch, q_ref.dtype) for ch in layout.chunks]
+        s, off = 0.0, 0
+        for ch, t in zip(layout.chunks, tiles):
+            s = s + jax.lax.dot_general(q_ref[:, pl.ds(off, ch.n)], t, _NT,
+                                        precision=plan.precision, preferred_element_type=acc)
+            off += ch.n
+        s = jnp.where(ok[None, :], s * plan.scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        p = jnp.exp(s - shift[:, None])
+        alpha = jnp.exp(m - shift)
+        outs = tuple(o if not mix else o * alpha[:, None] + jax.lax.dot_general(
+            p.astype(t.dtype), t, _NN, precision=plan.precision, preferred_element_type=acc)
+            for o, t, mix in zip(outs, tiles, part.mixed))
+        return m_new, l * alpha + jnp.sum(p, axis=1), outs
+
+    start = (jnp.full((heads,), -jnp.inf, acc), jnp.zeros((heads,), acc),
+             tuple(jnp.zeros((heads, ch.n), acc) for ch in layout.chunks))
+    lo, hi = _bounds(part, refs, b, jj, bk)
+    m, l, outs = jax.lax.fori_loop(lo, hi, step, start)
+    seen = l > 0
+    l = jnp.where(seen, l, 1)
+    off = 0
+    for ch, o in zip(layout.chunks, outs):
+        o_ref[:, pl.ds(off, ch.n)] = o / l[:, None]
+        off += ch.n
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
 
 
-def _pow2_tile(n: int) -> int:
-    return max(16, pl.next_power_of_2(n))
+def _kernel(*refs, plan: _Plan):
+    o_ref, lse_ref = refs[-2:]
+    b, j = pl.program_id(0), pl.program_id(1)
+    for part in plan.parts:
+        pl.when((j >= part.first) & (j < part.first + part.programs))(
+            functools.partial(_walk, plan, part, refs, b, j - part.first, o_ref, lse_ref))
 
 
-def attention(q, q_pos, ring, cache, idx, *, window: int, scale: float, sink=None,
-              name: str = "entry", block_k: int | None = None, splits: int | None = None,
-              interpret: bool = False, precision=None, num_warps: int | None = None,
-              num_stages: int | None = None):
-    """(out [B, H, c] in q's dtype, lse [B, H] float32) of one decode step (module
-    docstring) by the Pallas kernel. q [B, H, c] at positions q_pos int [B]; ``ring`` a
-    `ring.Ring` (after this step's write), ``cache`` a `paged.PagedCache` whose field
-    ``name`` holds the entries, idx int [B, k] pick ids (-1: none). ``block_k`` (a power of
-    two >= 16) entries per step; ``splits`` programs per row share the picks."""
-    _check(q, q_pos, ring, cache, idx, name, sink)
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None = None,
+              block_k: int | None = None, splits: int | None = None,
+              programs: int | None = None, interpret: bool = False, precision=None,
+              num_warps: int | None = None, num_stages: int | None = None):
+    """(out [B, H, value_dim] in q's dtype, lse [B, H]) of one decode step (module
+    docstring) by the Pallas kernel. q [B, H, c] at positions q_pos int [B]; ``parts`` a
+    sequence of `Paged` and `Own` (their entries c wide); ``sink`` [H] or None;
+    ``value_dim`` the value channels (None: all c). ``block_k`` (a power of two >= 16)
+    entries per step; a part of picks or read by bound gets between ``splits`` and
+    ``programs`` / B programs per row (never more than it has blocks)."""
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    parts = tuple(parts)
+    _check(q, q_pos, parts, sink)
     bsz, h, c = q.shape
-    fld = cache.fields[name]
-    main, win = _layout(fld.fmt, c, fld.rope), _layout(ring.fmt, c, ring.rope)
-    pool, table = paged.pool(cache, name)
-    main_arrays = _kernel_arrays(main, pool, fld.fmt)
-    win_arrays = _kernel_arrays(win, ring.kv, ring.fmt)
+    dv = c if value_dim is None else value_dim
+    if not 0 < dv <= c:
+        raise ValueError(f"decode_attention: value_dim={value_dim} must be in 1..{c}")
     bk = DEFAULTS["block_k"] if block_k is None else block_k
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"decode_attention: block_k={bk} must be a power of two >= 16")
-    k, w_slots = idx.shape[1], ring.pos.shape[1]
-    bk = min(bk, _pow2_tile(max(k, w_slots)))
-    n_blocks = -(-k // bk)
-    n_splits = max(1, min(DEFAULTS["splits"] if splits is None else splits, n_blocks))
-    per_split = -(-n_blocks // n_splits)
-    ring_blocks = -(-w_slots // bk)
-    hp = _pow2_tile(h)
-    plan = _Plan(scale=float(scale), window=int(window), slots=w_slots,
-                 page_size=cache.page_size, n_slots=table.shape[1], block_k=bk,
-                 blocks_per_split=per_split, ring_blocks=ring_blocks, splits=n_splits,
-                 interpret=interpret, precision=precision,
-                 acc=jnp.promote_types(q.dtype, jnp.float32),
-                 num_warps=DEFAULTS["num_warps"] if num_warps is None else num_warps,
-                 num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages)
+    bk = min(bk, max(16, _pow2_floor(DEFAULTS["tile_bytes"] // (c * q.dtype.itemsize))))
+    longest = max(p.ids.shape[1] if isinstance(p, Paged) and p.ids is not None
+                  else p.table.shape[1] * p.page_size if isinstance(p, Paged)
+                  else p.pos.shape[1] for p in parts)
+    bk = min(bk, max(16, pl.next_power_of_2(longest)))
+    least = DEFAULTS["splits"] if splits is None else splits
+    most = max(least, -(-(DEFAULTS["programs"] if programs is None else programs) // bsz))
+    hp = max(16, pl.next_power_of_2(h))
     qh = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-    q_main, q_win = qh[..., np.array(main.perm)], qh[..., np.array(win.perm)]
-    idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, n_splits * per_split * bk - k)),
-                  constant_values=-1)
-    rpos = jnp.pad(ring.pos, ((0, 0), (0, ring_blocks * bk - w_slots)), constant_values=-1)
+    inputs = [q_pos]
     row = lambda *tail: pl.BlockSpec((None,) + tail, lambda b, j: (b,) + (0,) * len(tail))  # noqa: E731
-    in_specs = ([row(hp, c), row(hp, c), pl.no_block_spec, row(idx.shape[1]), pl.no_block_spec,
-                 pl.no_block_spec, row(rpos.shape[1])]
-                + [pl.no_block_spec] * (len(main_arrays) + len(win_arrays)))
+    specs = [pl.no_block_spec]
+    add = lambda x, spec: (inputs.append(x), specs.append(spec), len(inputs) - 1)[2]  # noqa: E731
+    plans, first, layouts = [], 0, []
+    for p in parts:
+        layout = _layout(p.fmt, c, p.rope)
+        layouts.append(layout)
+        perm = np.array(layout.perm)
+        mixed, off = [], 0
+        for ch in layout.chunks:
+            mixed.append(bool((perm[off:off + ch.n] < dv).any()))
+            off += ch.n
+        q_ref = add(qh[..., perm], row(hp, c))
+        if isinstance(p, Own):
+            n = p.pos.shape[1]
+            blocks = -(-n // bk)
+            pos = jnp.pad(p.pos[...].astype(jnp.int32), ((0, 0), (0, blocks * bk - n)),
+                          constant_values=-1)
+            refs = dict(paged=False, ids=None, limit=None, table=None, page_size=0,
+                        n_slots=n, blocks=blocks, pos=add(pos, row(blocks * bk)),
+                        window=p.window)
+            count = 1
+        else:
+            n = p.table.shape[1] * p.page_size if p.ids is None else p.ids.shape[1]
+            n_blocks = -(-n // bk)
+            count = max(1, min(n_blocks, most))
+            blocks = n_blocks if p.ids is None else -(-n_blocks // count)
+            ids = None
+            if p.ids is not None:
+                padded = jnp.pad(p.ids.astype(jnp.int32), ((0, 0), (0, count * blocks * bk - n)),
+                                 constant_values=-1)
+                ids = add(padded, row(count * blocks * bk))
+            refs = dict(paged=True, ids=ids, limit=add(p.limit.astype(jnp.int32), pl.no_block_spec),
+                        table=add(p.table.astype(jnp.int32), pl.no_block_spec),
+                        page_size=p.page_size, n_slots=p.table.shape[1], blocks=blocks,
+                        pos=None, window=None)
+        arrays = tuple(add(a, pl.no_block_spec) for a in _kernel_arrays(layout, p.stored, p.fmt))
+        plans.append(_PartPlan(layout=layout, mixed=tuple(mixed), first=first, programs=count,
+                               q=q_ref, arrays=arrays, **refs))
+        first += count
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    plan = _Plan(scale=float(scale), block_k=bk, qpos=0, parts=tuple(plans),
+                 precision=precision, acc=acc)
     out, lse = pl.pallas_call(
-        functools.partial(_kernel, plan=plan, main=main, win=win),
-        grid=(bsz, n_splits + 1),
-        in_specs=in_specs,
+        functools.partial(_kernel, plan=plan),
+        grid=(bsz, first),
+        in_specs=specs,
         out_specs=[pl.BlockSpec((None, None, hp, c), lambda b, j: (b, j, 0, 0)),
                    pl.BlockSpec((None, None, hp), lambda b, j: (b, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, n_splits + 1, hp, c), plan.acc),
-                   jax.ShapeDtypeStruct((bsz, n_splits + 1, hp), plan.acc)],
-        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
-                                             num_stages=plan.num_stages),
+        out_shape=[jax.ShapeDtypeStruct((bsz, first, hp, c), acc),
+                   jax.ShapeDtypeStruct((bsz, first, hp), acc)],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=DEFAULTS["num_warps"] if num_warps is None else num_warps,
+            num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages),
         interpret=interpret, name="decode_attention",
-    )(q_main, q_win, jnp.asarray(q_pos, jnp.int32), idx, cache.length.reshape(-1), table,
-      rpos, *main_arrays, *win_arrays)
+    )(*inputs)
     # each part's channels back in entry order, then the partials and the sink merged by lse
-    out = jnp.concatenate([out[:, :n_splits][..., np.argsort(main.perm)],
-                           out[:, n_splits:][..., np.argsort(win.perm)]], axis=1)[:, :, :h]
+    out = jnp.concatenate([out[:, pp.first:pp.first + pp.programs][..., np.argsort(lay.perm)]
+                           [..., :dv] for pp, lay in zip(plans, layouts)], axis=1)[:, :, :h]
     lse = lse[:, :, :h]
-    parts = lse if sink is None else jnp.concatenate(
-        [lse, jnp.broadcast_to(sink.astype(plan.acc), (bsz, 1, h))], axis=1)
-    total = jax.nn.logsumexp(parts, axis=1)
+    merged = lse if sink is None else jnp.concatenate(
+        [lse, jnp.broadcast_to(sink.astype(acc), (bsz, 1, h))], axis=1)
+    total = jax.nn.logsumexp(merged, axis=1)
     weight = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0)[:, None])
     return jnp.sum(weight[..., None] * out, axis=1).astype(q.dtype), total

@@ -155,7 +155,7 @@ def paged_scores_gpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
-        interpret=interpret,
+        interpret=interpret, name="indexer_score",
     )(page_table, length, q_rows, w_mat, nv, *flat_keys)
     # [B, n_t, t16, cols] -> [B, T, cols]; the tile columns past P*ps are dropped.
     outs = [o[:, :, :block_t].reshape(B, n_t * block_t, -1)[:, :T] for o in outs]

@@ -1,11 +1,11 @@
 """The fused attention reads as one implementation of `attention.impl` (``pallas_gpu``):
 the contract's adapter (attention/fused.py) over the dense / window kernel
 (kernels/dense_attention.py) and the selected-entries kernel with its entry-mass pass
-(kernels/sparse_attention.py), and the decode kernel (kernels/decode_attention.py) for a V4
-family decode step. Every read of training, prefill and decode then runs as a few Pallas
-programs over the whole sequence: no per-block score array and no gathered entries leave a
-kernel, and a decode step reads its window and its picked entries from the caches as
-stored.
+(kernels/sparse_attention.py), and the decode kernel (kernels/decode_attention.py) for a
+decode step over shared entries (the V4 family, MLA's absorbed path, DSA). Every read of
+training, prefill and decode then runs as a few Pallas programs over the whole sequence:
+no per-block score array and no gathered entries leave a kernel, and a decode step reads
+what it selects from the caches as stored.
 
 On an NVIDIA GPU Triton compiles the kernels. On any other backend the Pallas interpreter
 runs them: exact and slow, which is how the tests check them on a CPU, and why `auto` picks
@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax
 
 from dsattn.attention import fused
-from dsattn.cache.protocol import flat_rows
 from dsattn.kernels import decode_attention, dense_attention, sparse_attention
 
 
@@ -37,19 +36,8 @@ def _entry_mass(q, store, idx, lse, **kw):
     return sparse_attention.entry_mass(q, store, idx, lse, interpret=_interpret(), **kw)
 
 
-def _own_rows(a, rows: int):
-    """`a`'s rows as an array (a scanned copy's view holds them among other copies')."""
-    flat, first = flat_rows(a)
-    return flat if flat is a else jax.lax.dynamic_slice_in_dim(flat, first, rows, axis=0)
-
-
-def _decode(q, q_pos, ring, cache, idx, **kw):
-    rows = q.shape[0]
-    ring = ring.replace(kv=jax.tree.map(lambda a: _own_rows(a, rows), ring.kv,
-                                        is_leaf=lambda a: hasattr(a, "flat_rows")),
-                        pos=_own_rows(ring.pos, rows))
-    return decode_attention.attention(q, q_pos, ring, cache, idx, interpret=_interpret(),
-                                      **kw)
+def _decode(q, q_pos, parts, **kw):
+    return decode_attention.attention(q, q_pos, parts, interpret=_interpret(), **kw)
 
 
 run = fused.adapter(_dense, _sparse, _entry_mass, _decode)
