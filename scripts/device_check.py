@@ -2,7 +2,7 @@
 
     python scripts/device_check.py [--out runs/device_check.json] [--budget-s 420]
         [--train-presets mha,mla,dsa,v4,v41] [--train-impls xla,pallas_gpu]
-        [--decode-presets v4,v41]
+        [--decode-presets v4,v41] [--decode-impls xla,pallas_gpu]
         [--contexts 32768,131072] [--sweep-presets mha,mla,dsa,v4,v41] [--sweep-gib G]
         [--sweep-max-batch N] [--no-traces] [--command-buffers off,default,loops]
         [KEY=VALUE ...]
@@ -15,7 +15,8 @@
    kernels, attention.impl=pallas_gpu; the summary gives their ratio);
 3. decode steps of v4 and v41 at 32K and 128K cached tokens against the roofline: the bytes a
    step must read (cache, by dsattn.kvbytes, plus the weights) over the device's measured
-   bandwidth;
+   bandwidth, once per attention implementation like section 2 (on a GPU the decode kernel,
+   kernels/decode_attention.py, against the XLA reference);
 4. the decode sweep (dsattn.bench.sweep): each sweep preset at each context, batch 1, 8, 32,
    128, ... up to the largest whose decode step fits the device's memory (compiled memory
    analysis; printed), tokens/s, ms/step, bytes roofline and share, with a jax.profiler
@@ -68,6 +69,9 @@ def main(argv=None):
     ap.add_argument("--train-impls", type=names, default=None,
                     help="attention.impl of the training rows (default: xla, and pallas_gpu "
                          "on a GPU)")
+    ap.add_argument("--decode-impls", type=names, default=None,
+                    help="attention.impl of the decode rows (default: xla, and pallas_gpu "
+                         "on a GPU)")
     ap.add_argument("--train-seq", type=int, default=None)
     ap.add_argument("--train-batch", type=int, default=None)
     ap.add_argument("--tests", type=names, default=None,
@@ -80,7 +84,7 @@ def main(argv=None):
 
     given = {"budget_s": args.budget_s, "configs": args.configs,
              "train_presets": args.train_presets, "train_impls": args.train_impls,
-             "decode_presets": args.decode_presets,
+             "decode_presets": args.decode_presets, "decode_impls": args.decode_impls,
              "contexts": args.contexts, "train_seq": args.train_seq,
              "train_batch": args.train_batch, "tests": args.tests,
              "sweep_presets": args.sweep_presets, "sweep_max_batch": args.sweep_max_batch,

@@ -123,3 +123,28 @@ def test_each_preset_trains_under_each_implementation_reference_first(monkeypatc
     device.summary(report)  # every row readable
     assert device.Settings.for_backend("gpu", tmp_path).train_impls == ("xla", "pallas_gpu")
     assert device.Settings.for_backend("tpu", tmp_path).train_impls == ("xla",)
+
+
+def test_each_preset_decodes_under_each_implementation_reference_first(monkeypatch, tmp_path):
+    """The decode A/B: every decode preset once per attention.impl at each context, the
+    reference first; each kernel row carries its speed-up over its preset's reference row at
+    the same context."""
+    ms = {("xla", 8): 2.0, ("xla", 16): 3.0, ("pallas_gpu", 8): 0.5, ("pallas_gpu", 16): 1.0}
+
+    def decode(settings, name, bw, impl="xla"):
+        return [{"preset": name, "impl": impl, "context": c, "batch": 1, "step_ms": ms[impl, c],
+                 "roofline_ms": 0.1, "of_roofline": 0.1 / ms[impl, c],
+                 "cache_read_bytes": 1, "weight_bytes": 1} for c in settings.contexts]
+
+    monkeypatch.setattr(device, "decode_preset", decode)
+    monkeypatch.setattr(device, "device_bandwidth", lambda n: 1e9)
+    settings = device.Settings(configs=str(tmp_path), train_presets=(), tests=(),
+                               decode_presets=("a", "b"), decode_impls=("xla", "pallas_gpu"),
+                               contexts=(8, 16), sweep_presets=(), command_buffers=())
+    report = device.check(settings, tmp_path, log=lambda line: None)
+    assert [(r["preset"], r["impl"], r["context"]) for r in report["decode"]] == [
+        (p, i, c) for p in "ab" for i in ("xla", "pallas_gpu") for c in (8, 16)]
+    assert [r.get("x_reference") for r in report["decode"]] == [None, None, 4.0, 3.0] * 2
+    device.summary(report)  # every row readable
+    assert device.Settings.for_backend("gpu", tmp_path).decode_impls == ("xla", "pallas_gpu")
+    assert device.Settings.for_backend("cpu", tmp_path).decode_impls == ("xla",)

@@ -54,12 +54,16 @@ def test_every_family_decodes_through_the_kernels_as_the_reference(name):
 
 
 @pytest.mark.full
-def test_a_scanned_stack_decodes_through_the_kernels_as_the_reference():
-    """Three CSA copies scanned: the decode kernel reads a copy's rows of the stacked ring
-    and pages."""
-    scanned = ("model.n_layers=4", "attention.layers=swa, csa*3", "model.scan_layers=true")
-    np.testing.assert_allclose(decode_logits("csa", FUSED, *scanned),
-                               decode_logits("csa", *scanned), rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("name, scanned", [
+    ("csa", ("model.n_layers=4", "attention.layers=swa, csa*3")),
+    ("mla", ("model.n_layers=3",))])
+def test_a_scanned_stack_decodes_through_the_kernels_as_the_reference(name, scanned):
+    """Three copies scanned: the decode kernel reads a copy's rows of the stacked ring and
+    pages (CSA), or the copy's own contiguous cache, its write held until the scan ends
+    (MLA)."""
+    scanned += ("model.scan_layers=true",)
+    np.testing.assert_allclose(decode_logits(name, FUSED, *scanned),
+                               decode_logits(name, *scanned), rtol=1e-10, atol=1e-12)
 
 
 def test_auto_takes_the_kernels_on_a_gpu_only_where_they_fit(monkeypatch):

@@ -177,7 +177,8 @@ def test_a_copys_view_of_stacked_caches_is_that_copys_cache(traced):
     pos, valid = jnp.full((B, 1), 2), jnp.asarray([[True], [False], [True], [True]])
 
     def attended(segs):  # every (value, position, visible) the contiguous layer attends over
-        return [(v[0] * vis[..., None], jnp.where(vis, p, -1)) for v, p, vis in segs]
+        return [(seg.values[0] * seg.seen[..., None], jnp.where(seg.seen, seg.pos, -1))
+                for seg in segs]
 
     def step(cache):
         p = paged.append(cache["p"], {"entry": new}, n_new)

@@ -64,6 +64,9 @@ class Settings:
     # beside the reference on a GPU)
     train_impls: tuple[str, ...] = ("xla",)
     decode_presets: tuple[str, ...] = ("v4", "v41")
+    # attention.impl of each decode row, the same way (for_backend: the decode kernel beside
+    # the reference on a GPU)
+    decode_impls: tuple[str, ...] = ("xla",)
     contexts: tuple[int, ...] = (32768, 131072)
     decode_batch: int = 1
     decode_steps: int = 10
@@ -94,7 +97,7 @@ class Settings:
         else:
             kernels = ("pallas_gpu",) if backend == "gpu" else ()
             base = cls(configs=str(root / "configs" / "small"), train_impls=("xla", *kernels),
-                       **common)
+                       decode_impls=("xla", *kernels), **common)
         return dataclasses.replace(base, **changes)
 
 
@@ -176,13 +179,15 @@ def device_bandwidth(n_bytes: int, repeats: int = 5) -> float:
     return 2 * x.nbytes / float(np.median(times))
 
 
-def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]:
-    """Decode steps at each context, all in one cache capacity (one compiled program), against
-    the roofline: the cache bytes the step must read (kvbytes) plus the weights, over the
-    measured bandwidth."""
+def decode_preset(settings: Settings, name: str, bandwidth: float,
+                  impl: str = "xla") -> list[dict]:
+    """Decode steps with attention.impl=`impl` at each context, all in one cache capacity
+    (one compiled program), against the roofline: the cache bytes the step must read
+    (kvbytes) plus the weights, over the measured bandwidth."""
     longest = max(settings.contexts)
     trained = preset(settings, name).train.seq_len  # max_seq_len must still hold it
-    cfg = preset(settings, name, f"model.max_seq_len={max(longest + 64, trained)}")
+    cfg = preset(settings, name, f"model.max_seq_len={max(longest + 64, trained)}",
+                 f"attention.impl={impl}")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     weights = measures.param_bytes(model)
     rows = []
@@ -191,7 +196,8 @@ def decode_preset(settings: Settings, name: str, bandwidth: float) -> list[dict]
                                    steps=settings.decode_steps, max_len=longest + 64)
         cache_bytes = measures.decode_bytes(cfg, context, settings.decode_batch)
         roofline_ms = (cache_bytes + weights) / bandwidth * 1e3
-        rows.append({"preset": name, "context": context, "batch": settings.decode_batch,
+        rows.append({"preset": name, "impl": impl, "context": context,
+                     "batch": settings.decode_batch,
                      **got, "cache_read_bytes": cache_bytes, "weight_bytes": weights,
                      "roofline_ms": roofline_ms, "of_roofline": roofline_ms / got["step_ms"],
                      "decode_flops_per_token": flops.decode_flops_per_token(cfg, context)})
@@ -228,8 +234,9 @@ def sweep_preset(settings: Settings, name: str, context: int, bandwidth: float,
 
 
 def command_buffers_run(settings: Settings, root: Path, variant: str, timeout_s: float) -> dict:
-    """The decode step of the first decode preset at the first context, in a fresh process
-    whose XLA_FLAGS add COMMAND_BUFFERS[variant]: its row of the decode section."""
+    """The decode step of the first decode preset at the first context under the last decode
+    implementation (the kernels on a GPU), in a fresh process whose XLA_FLAGS add
+    COMMAND_BUFFERS[variant]: its row of the decode section."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,6 +246,7 @@ def command_buffers_run(settings: Settings, root: Path, variant: str, timeout_s:
         cmd = [sys.executable, str(root / "scripts" / "device_check.py"), "--tests", "",
                "--train-presets", "", "--sweep-presets", "", "--no-traces",
                "--decode-presets", settings.decode_presets[0],
+               "--decode-impls", settings.decode_impls[-1],
                "--contexts", str(settings.contexts[0]), "--configs", settings.configs,
                "--out", str(out), *settings.overrides]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -294,10 +302,16 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
         bw = attempt("bandwidth", lambda: device_bandwidth(
             1 << 30 if jax.default_backend() != "cpu" else 1 << 26))
         report["bandwidth_bytes_per_s"] = bw
-    if settings.decode_presets:
-        for name in settings.decode_presets if bw else ():
-            rows = attempt(f"decode {name}", lambda: decode_preset(settings, name, bw),
+    for name in settings.decode_presets if bw else ():
+        for impl in settings.decode_impls:
+            what = f"decode {name}" + (f" {impl}" if len(settings.decode_impls) > 1 else "")
+            rows = attempt(what, lambda: decode_preset(settings, name, bw, impl),
                            needs=took.get("decode", 0.0))
+            for row in rows or []:  # the A/B, measured in this run
+                ref = next((r for r in report["decode"] if r["preset"] == name
+                            and r["context"] == row["context"] and r["impl"] == "xla"), None)
+                if ref and impl != "xla":
+                    row["x_reference"] = ref["step_ms"] / row["step_ms"]
             report["decode"].extend(rows or [])
             record()
     on_gpu = jax.default_backend() == "gpu"
@@ -353,7 +367,9 @@ def summary(report: dict) -> str:
     if report.get("bandwidth_bytes_per_s"):
         lines.append(f"bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
     for r in report["decode"]:
-        lines.append(f"decode {r['preset']:>4} at {r['context']:,}: {r['step_ms']:.3f} ms/step, "
+        vs = f" ({r['x_reference']:.2f}x xla)" if "x_reference" in r else ""
+        lines.append(f"decode {r['preset']:>4} {r.get('impl', 'xla')} at {r['context']:,}: "
+                     f"{r['step_ms']:.3f} ms/step{vs}, "
                      f"roofline {r['roofline_ms']:.3f} ms ({r['of_roofline']:.1%} of it; "
                      f"{r['cache_read_bytes'] / 1e6:.2f} MB cache + "
                      f"{r['weight_bytes'] / 1e6:.1f} MB weights)")
