@@ -108,20 +108,35 @@ def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
     assert text.count("xla.gpu.triton") >= 2 * 3 + 3
 
 
+def _decode_step_for_cuda(monkeypatch, name):
+    """(the config, the text of its bfloat16 decode step lowered for CUDA)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = case(name, FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
+    eng = lower.abstract_engine(cfg)
+    cache = jax.eval_shape(lambda: eng.init_cache(2, 64))
+    return cfg, generate.decode_program.trace(
+        eng.graph, eng.state, jax.ShapeDtypeStruct((2,), jnp.int32), cache).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("name", ["csa", "mla", "dsa", pytest.param("v4", marks=pytest.mark.full),
                                   pytest.param("v41", marks=pytest.mark.full)])
 def test_a_decode_step_reads_each_layer_in_one_decode_kernel(monkeypatch, name):
     """A decode step, bfloat16, lowered for CUDA: every layer (a window with its ring, picks
     or every complete entry of a paged cache, MLA's contiguous latents, DSA's picked tokens)
     reads what it attends to in one decode kernel, and no other attention kernel runs."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    cfg = case(name, FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
-    eng = lower.abstract_engine(cfg)
-    cache = jax.eval_shape(lambda: eng.init_cache(2, 64))
-    text = generate.decode_program.trace(
-        eng.graph, eng.state, jax.ShapeDtypeStruct((2,), jnp.int32), cache).lower(
-        lowering_platforms=("cuda",)).as_text()
+    cfg, text = _decode_step_for_cuda(monkeypatch, name)
     kernels = re.findall(r'\bname = "([^"]*)", num_stages', text)
     assert len(kernels) == text.count("xla.gpu.triton")  # every kernel named
     assert kernels.count("decode_attention") == cfg.model.n_layers
     assert set(kernels) <= {"decode_attention", "indexer_score"}  # and the indexer's scores
+
+
+def test_an_mha_decode_step_reads_its_head_major_cache_by_dots(monkeypatch):
+    """MHA's decode step stays with XLA's dots over its head-major cache: no kernel, and no
+    transposed copy of the cache [B, G, L, d] as the dense kernel's [B, L, G, d] keys."""
+    cfg, text = _decode_step_for_cuda(monkeypatch, "mha")
+    assert "xla.gpu.triton" not in text
+    a = cfg.attention
+    kv_heads = a.n_kv_heads or a.n_heads
+    assert f"tensor<2x64x{kv_heads}x{a.head_dim}xbf16>" not in text

@@ -18,7 +18,9 @@ epilogue runs over the whole output, and the indexer's KL target comes from `ent
 at the merged log-sum-exp. Nothing here materialises per-block scores. A decode step of
 the V4 family (one query per row, a window with its ring, a global part in a paged cache)
 goes to `decode` when given, so it reads only the window and the picked entries, as
-stored; otherwise a paged store is decoded whole (`read_all`) for the other kernels.
+stored; otherwise a paged store is decoded whole (`read_all`) for the other kernels. MHA's decode
+step (GROUPED, one query per row) stays with the reference's dots over its head-major
+cache.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsattn.attention import blocks, indexer, reads
+from dsattn.attention import blocks, indexer, reads, reference
 from dsattn.attention.attend import Keys, Layout, Read
 from dsattn.attention.local import Window
 from dsattn.cache.paged import PagedCache
@@ -107,6 +109,10 @@ def adapter(dense, sparse, entry_mass, decode=None):
     contract's form (module docstring)."""
 
     def run(read: Read, prologue, epilogue):
+        if read.layout is Layout.GROUPED and read.positions.shape[1] == 1:
+            # MHA's decode step: XLA's batched dots read the head-major cache in place,
+            # where the dense kernel's [B, S, Hk, d] keys would be a transposed copy of it
+            return reference.run(read, prologue, epilogue)
         q = _contract_q(read, prologue(read.q))
         heads, pos = q.shape[2], read.positions
         parts = None if decode is None else _decode_parts(read, q)
