@@ -36,9 +36,10 @@ lse. A block's rows are found in the kernel (id -> page table -> pool row; slot 
 loaded once for all heads (heads are the M dim of the [H, c] x [c, bk] score dot and the
 [H, bk] x [bk, c] mixing dot) and dequantized chunk by chunk: an entry's stored arrays are
 cut into power-of-two column chunks (Triton tiles; a packed E2M1 chunk is read twice, its
-low then its high nibbles), each chunk's scale columns broadcast over it, and q is permuted
-in the wrapper so each chunk meets its own channels (the output is permuted back). A chunk
-holding no value channel (MLA's rotary dims) is not mixed. On a GPU this one launch
+low then its high nibbles), each chunk's scale columns broadcast over it; a chunk's entry
+channels are an arithmetic progression (stride 2 for a nibble), so it meets q's channels
+and writes its output's by strided loads and stores, with no permutation around the kernel.
+A chunk holding no value channel (MLA's rotary dims) is not mixed. On a GPU this one launch
 replaces the gather, the dequantize, two score products, the softmax and the mix: what a
 step's entries cost is one read of their stored bytes. Its speed is not measured (no GPU
 in the sessions that wrote it).
@@ -51,7 +52,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -208,16 +208,22 @@ class _Chunk:
     n: int
     nibble: int | None  # packed E2M1: 0 the low nibbles, 1 the high; None: not packed
     scale_cols: int  # stored columns per scale (0: not scaled)
+    channel: int  # the entry channel of its first column
+    step: int = 1  # ... and between its columns' channels
+
+    @property
+    def channels(self):
+        """Its columns' entry channels, as a Pallas index."""
+        return pl.ds(self.channel, self.n, self.step if self.step > 1 else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """A format's entry as the kernel reads it: its arrays (names), chunks, the entry channel
-    each chunk column holds (``perm``) and the spec (for the codecs)."""
+    """A format's entry as the kernel reads it: its arrays (names), chunks and the spec (for
+    the codecs)."""
 
     names: tuple
     chunks: tuple
-    perm: tuple
     spec: formats.FormatSpec
 
 
@@ -234,22 +240,20 @@ def _pow2_runs(n: int):
 def _layout(fmt: str, width: int, rope: int) -> _Layout:
     sp = formats.spec(fmt)
     if not sp.block:
-        return _Layout(("v",), tuple(_Chunk(0, lo, n, None, 0) for lo, n in _pow2_runs(width)),
-                       tuple(range(width)), sp)
+        return _Layout(("v",), tuple(_Chunk(0, lo, n, None, 0, lo)
+                                     for lo, n in _pow2_runs(width)), sp)
     body = width - rope if sp.needs_rope_split else width
-    per, chunks, perm = sp.per_item, [], []
+    per, chunks = sp.per_item, []
     nibbles = range(per) if per > 1 else (None,)
-    for nib in nibbles:
+    for nib in nibbles:  # stored column i holds channels i * per + nibble
         for lo, n in _pow2_runs(body // per):
-            chunks.append(_Chunk(0, lo, n, nib, sp.block // per))
-            perm += [(lo + i) * per + (nib or 0) for i in range(n)]
+            chunks.append(_Chunk(0, lo, n, nib, sp.block // per, lo * per + (nib or 0), per))
     names = ("q", "scale")
     if sp.needs_rope_split:
         names += ("rope",)
         for lo, n in _pow2_runs(rope):
-            chunks.append(_Chunk(2, lo, n, None, 0))
-            perm += [body + lo + i for i in range(n)]
-    return _Layout(names, tuple(chunks), tuple(perm), sp)
+            chunks.append(_Chunk(2, lo, n, None, 0, body + lo))
+    return _Layout(names, tuple(chunks), sp)
 
 
 def _kernel_arrays(layout: _Layout, stored: dict, fmt: str):
@@ -359,11 +363,10 @@ def _walk(plan: _Plan, part: _PartPlan, refs, b, jj, o_ref, lse_ref):
         m, l, outs = state
         ok, rows = _locate(part, refs, b, jj, i, qpos, bk)
         tiles = [_tile(layout, arrays, rows, ch, q_ref.dtype) for ch in layout.chunks]
-        s, off = 0.0, 0
+        s = 0.0
         for ch, t in zip(layout.chunks, tiles):
-            s = s + jax.lax.dot_general(q_ref[:, pl.ds(off, ch.n)], t, _NT,
+            s = s + jax.lax.dot_general(q_ref[:, ch.channels], t, _NT,
                                         precision=plan.precision, preferred_element_type=acc)
-            off += ch.n
         s = jnp.where(ok[None, :], s * plan.scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -380,10 +383,8 @@ def _walk(plan: _Plan, part: _PartPlan, refs, b, jj, o_ref, lse_ref):
     m, l, outs = jax.lax.fori_loop(lo, hi, step, start)
     seen = l > 0
     l = jnp.where(seen, l, 1)
-    off = 0
     for ch, o in zip(layout.chunks, outs):
-        o_ref[:, pl.ds(off, ch.n)] = o / l[:, None]
-        off += ch.n
+        o_ref[:, ch.channels] = o / l[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
 
 
@@ -432,16 +433,11 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
     row = lambda *tail: pl.BlockSpec((None,) + tail, lambda b, j: (b,) + (0,) * len(tail))  # noqa: E731
     specs = [pl.no_block_spec]
     add = lambda x, spec: (inputs.append(x), specs.append(spec), len(inputs) - 1)[2]  # noqa: E731
-    plans, first, layouts = [], 0, []
+    plans, first = [], 0
+    q_ref = add(qh, row(hp, c))
     for p in parts:
         layout = _layout(p.fmt, c, p.rope)
-        layouts.append(layout)
-        perm = np.array(layout.perm)
-        mixed, off = [], 0
-        for ch in layout.chunks:
-            mixed.append(bool((perm[off:off + ch.n] < dv).any()))
-            off += ch.n
-        q_ref = add(qh[..., perm], row(hp, c))
+        mixed = tuple(ch.channel < dv for ch in layout.chunks)
         if isinstance(p, Own):
             n = p.pos.shape[1]
             blocks = -(-n // bk)
@@ -466,7 +462,7 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
                         page_size=p.page_size, n_slots=p.table.shape[1], blocks=blocks,
                         pos=None, window=None)
         arrays = tuple(add(a, pl.no_block_spec) for a in _kernel_arrays(layout, p.stored, p.fmt))
-        plans.append(_PartPlan(layout=layout, mixed=tuple(mixed), first=first, programs=count,
+        plans.append(_PartPlan(layout=layout, mixed=mixed, first=first, programs=count,
                                q=q_ref, arrays=arrays, **refs))
         first += count
     acc = jnp.promote_types(q.dtype, jnp.float32)
@@ -485,10 +481,8 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
             num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages),
         interpret=interpret, name="decode_attention",
     )(*inputs)
-    # each part's channels back in entry order, then the partials and the sink merged by lse
-    out = jnp.concatenate([out[:, pp.first:pp.first + pp.programs][..., np.argsort(lay.perm)]
-                           [..., :dv] for pp, lay in zip(plans, layouts)], axis=1)[:, :, :h]
-    lse = lse[:, :, :h]
+    # the partials and the sink merged by lse
+    out, lse = out[:, :, :h, :dv], lse[:, :, :h]
     merged = lse if sink is None else jnp.concatenate(
         [lse, jnp.broadcast_to(sink.astype(acc), (bsz, 1, h))], axis=1)
     total = jax.nn.logsumexp(merged, axis=1)
