@@ -188,3 +188,28 @@ def test_lowers_for_cuda():
         scale=SCALE, value_dim=DC))
     text = g.trace(q, pos, slots, fresh, valid).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason=f"the compiled kernel needs an NVIDIA GPU; backend is "
+                           f"{jax.default_backend()} (the interpreted tests above cover CPU)")
+@pytest.mark.parametrize("formats_", [V4, V41, ("bf16", "fp8_ds_mla")])
+def test_compiled_kernel_equals_the_reference_on_a_gpu(formats_):
+    """Compiled by Triton (interpret=False), bfloat16 queries: the V4 read (picks, window,
+    sink), MLA's (a contiguous prefix by bound and the step's own latent, value channels DC)
+    and DSA's (picks, value channels DC)."""
+    c = CM if formats_[1] == "fp8_ds_mla" else C
+    q, pos, after, _, _, cache, idx, sink = _state(*formats_, seed=5, c=c)
+    q = q.astype(jnp.bfloat16)
+    reads = [([da.picks(cache, idx), da.window(after, NARROW)], sink, None)]
+    if c == CM:
+        _, _, slots, fresh, valid = _latents("bf16", seed=6)
+        reads = [([da.picks(cache, idx)], None, DC),
+                 (_mla_parts(slots, fresh.astype(jnp.bfloat16), pos, valid), None, DC)]
+    for parts, s, dv in reads:
+        want = da.reference(q, pos, parts, scale=SCALE, sink=s, value_dim=dv)
+        got = jax.jit(lambda q, parts, s: da.attention(q, pos, parts, scale=SCALE, sink=s,
+                                                      value_dim=dv))(q, parts, s)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                       rtol=2e-2, atol=2e-2)

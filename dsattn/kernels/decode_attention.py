@@ -52,6 +52,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -68,7 +69,7 @@ _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
 
 
 # -- what a step reads ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Paged:
     """Entries in the pages of a pool: ``stored`` the format's arrays [pages, page_size,
     ...], ``table`` int [B, slots] the page of each row's slot (id // page_size), ``limit``
@@ -79,24 +80,24 @@ class Paged:
     table: jax.Array
     limit: jax.Array
     ids: jax.Array | None
-    fmt: str
-    rope: int
+    fmt: str = struct.field(pytree_node=False)
+    rope: int = struct.field(pytree_node=False)
 
     @property
     def page_size(self) -> int:
         return next(iter(self.stored.values())).shape[1]
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Own:
     """Each row's own entries: ``stored`` the format's arrays [B, n, ...], ``pos`` int
     [B, n] (-1: empty); read when pos <= q_pos and, with a ``window``, pos > q_pos - window."""
 
     stored: dict
     pos: jax.Array
-    fmt: str
-    rope: int
-    window: int | None
+    fmt: str = struct.field(pytree_node=False)
+    rope: int = struct.field(pytree_node=False)
+    window: int | None = struct.field(pytree_node=False)
 
 
 def picks(cache: paged.PagedCache, idx, name: str = "entry") -> Paged:
