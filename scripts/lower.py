@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Lower a full-size preset's decode step and a prefill chunk from shapes alone, and print
 what each compiled program holds: XLA's memory analysis (argument, output, temporary bytes)
-beside kvbytes' cache bytes, and the program's op count. Nothing is allocated.
+beside kvbytes' cache bytes, the program's op count, and the decode step's longest chain of
+dependent kernels (matmuls, Pallas calls, sorts, top-k, scatters: a floor on the kernels a
+GPU launches one after another, dsattn.bench.kernel_chain). Nothing is allocated.
 
     python scripts/lower.py configs/deepseek/v4_flash.yaml [--max-len 1M] [--chunk 4096]
-        [--batch 1] [--json FILE] [KEY=VALUE ...]
+        [--batch 1] [--json FILE] [--path N] [KEY=VALUE ...]
 
 The cache has --max-len positions per row (the argument a decode step holds); the prefill
 chunk runs --chunk new tokens into that cache. On a CPU, XLA runs bfloat16 matmuls in float32
@@ -41,6 +43,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens (0: none)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--path", type=int, default=0,
+                    help="print the last N steps of the decode step's chain of kernels")
     args = cli.parse(ap, argv)
     cfg = config.load(args.preset, args.overrides)
     max_len = _size(args.max_len)
@@ -58,6 +62,14 @@ def main(argv=None):
               f"{r['output_bytes'] / GIB:>10.2f}Gi{r['temp_bytes'] / GIB:>10.2f}Gi"
               f"{r['cache_value_bytes'] / GIB:>12.3f}Gi{r['kvbytes_cache_bytes'] / GIB:>10.3f}Gi"
               f"{r['hlo_ops']:>10,}")
+    d = rows[0]
+    print(f"decode step: {d['kernel_chain']} dependent kernels at least "
+          f"({d['kernel_chain'] / cfg.model.n_layers:.1f} per layer; matmuls, Pallas calls, "
+          f"sorts, top-k and scatters: {d['kernel_counts']})")
+    if args.path:
+        width = max(len(op) for op, _ in d["kernel_chain_path"][-args.path:])
+        for op, where in d["kernel_chain_path"][-args.path:]:
+            print(f"  {op:<{width}}  {where}")
     if jax.default_backend() == "cpu" and jnp.dtype(cfg.model.dtype).itemsize < 4:
         # XLA:CPU computes 16-bit matmuls in float32 from float32 copies of the weights
         print(f"CPU: temp includes float32 copies of the weights (up to "

@@ -1,7 +1,8 @@
 """Full-size programs from shapes alone: a preset's decode step and a prefill chunk are
 traced and compiled from `jax.ShapeDtypeStruct`s (nothing allocated), for what a step will
 hold on an accelerator: XLA's memory analysis (argument, output and temporary bytes) beside
-kvbytes' cache bytes, and the program's op count.
+kvbytes' cache bytes, the program's op count, and the decode step's longest chain of
+dependent kernels (dsattn.bench.kernel_chain).
 
 The model is the preset's whole stack (embedding, attention layers, a dense SwiGLU FFN of
 `model.ffn_hidden`; DeepSeek's MoE, hyper-connections and MTP are out of scope). The memory
@@ -19,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dsattn import generate, kvbytes
+from dsattn.bench import kernel_chain
 from dsattn.cache.protocol import is_container
 from dsattn.model import Transformer
 
@@ -72,6 +74,10 @@ def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
            "kvbytes_cache_bytes": batch * kvbytes.global_bytes(cfg, max_len)
            + batch * kvbytes.local_bytes(cfg, context=max_len),
            "cache_argument_bytes": nbytes(cache)}
+    if chunk is None:  # its longest chain of dependent kernels (a floor on launches)
+        chain = kernel_chain.decode_step(cfg, batch, max_len)
+        out.update(kernel_chain=chain.length, kernel_counts=chain.counts,
+                   kernel_chain_path=[list(step) for step in chain.path])
     if compile:
         compiled = low.compile()
         mem = compiled.memory_analysis()

@@ -1,0 +1,45 @@
+"""The longest chain of dependent kernels (dsattn.bench.kernel_chain) of hand-built programs
+whose chain is known: parallel matmuls count once on the chain and each in the counts, a
+jit body and a cond's longer branch are followed, a scan's body counts once per iteration,
+a Pallas call counts once whatever it holds, and elementwise work counts nothing."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsattn.bench import kernel_chain
+
+X, W = jnp.ones((2, 8)), jnp.ones((8, 8))
+
+
+def _double(x):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], x_ref[...].T) @ x_ref[...]  # two dots inside
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=True)(x)
+
+
+def program(x, w, flag):
+    a = jnp.tanh(x @ w) @ w  # 2 on the chain
+    side = x @ w  # beside it: not on the chain
+    b = jax.jit(lambda y: y @ w)(a)  # 3, inside a jit
+    c = jax.lax.cond(flag, lambda y: (y @ w) @ w, lambda y: y * 2.0, b)  # 5 by the longer branch
+    d = jax.lax.scan(lambda y, _: (y @ w, None), c, None, length=4)[0]  # 9
+    e = _double(d)  # 10: one Pallas call
+    i = jax.lax.top_k(e, 2)[1]  # 11
+    return e.at[0, i[0]].set(side[0, :2]), i  # 12: the scatter
+
+
+def test_chain_of_a_known_program():
+    chain = kernel_chain.of_jaxpr(jax.make_jaxpr(program)(X, W, True))
+    assert chain.length == 12
+    assert [op for op, _ in chain.path] == ["dot_general"] * 9 + ["pallas_call", "top_k",
+                                                                   "scatter"]
+    # every dot: 2 + 1 beside + 1 in the jit + 2 in the cond's branch + 4 in the scan
+    assert chain.counts == {"dot_general": 10, "pallas_call": 1, "top_k": 1, "scatter": 1}
+    assert all(where.startswith("test_kernel_chain.") for _, where in chain.path)
+
+
+def test_elementwise_work_is_no_kernel_on_the_chain():
+    chain = kernel_chain.of_jaxpr(jax.make_jaxpr(lambda x: jnp.exp(x) * 2 + x)(X))
+    assert (chain.length, chain.counts) == (0, {})
