@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +78,11 @@ def _walk(jaxpr, inputs, counts, times: int):
         ins = [get(a) for a in eqn.invars]
         first = _longest(ins)
         name, bodies = eqn.primitive.name, _bodies(eqn)
-        if name == "cond":  # operand 0 picks the branch
-            outs = [_longest(o) for o in zip(*(_walk(b, ins[1:], counts, times)
-                                               for b in bodies))]
+        if name == "cond":  # operand 0 picks one branch: its longest, its most ops
+            per = [collections.Counter() for _ in bodies]
+            outs = [_longest(o) for o in zip(*(_walk(b, ins[1:], c, times)
+                                               for b, c in zip(bodies, per)))]
+            counts.update(functools.reduce(operator.or_, per))
         elif name in ("scan", "while"):
             body = bodies[0] if name == "scan" else bodies[-1]
             n = int(eqn.params.get("length", 1))
