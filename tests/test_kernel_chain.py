@@ -43,3 +43,18 @@ def test_chain_of_a_known_program():
 def test_elementwise_work_is_no_kernel_on_the_chain():
     chain = kernel_chain.of_jaxpr(jax.make_jaxpr(lambda x: jnp.exp(x) * 2 + x)(X))
     assert (chain.length, chain.counts) == (0, {})
+
+
+def test_an_mha_decode_step_chains_seven_kernels_a_layer():
+    """Per layer: the q/k/v projections (parallel), the cache write (the read that follows
+    is of the cache written in place), the scores, the mix, the output projection, the
+    FFN's gate/up (parallel) and down; then the logits."""
+    from dsattn.bench import lower
+    from tests.helpers import preset
+
+    for layers in (1, 3):
+        chain = lower.decode_chain(preset("mha", f"model.n_layers={layers}",
+                                          "model.scan_layers=false"), 1, 64)
+        assert chain.length == 7 * layers + 1
+        assert [op for op, _ in chain.path[:7]] == ["dot_general", "scatter"] + [
+            "dot_general"] * 5

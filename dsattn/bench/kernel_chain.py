@@ -21,8 +21,6 @@ import dataclasses
 import functools
 import operator
 
-import jax
-import jax.numpy as jnp
 from jax.extend import core
 
 COUNTED = frozenset({"dot_general", "pallas_call", "sort", "top_k", "scatter", "scatter-add"})
@@ -109,14 +107,3 @@ def of_jaxpr(closed: core.ClosedJaxpr) -> Chain:
     jaxpr = closed.jaxpr
     length, path = _longest(_walk(jaxpr, [_START] * len(jaxpr.invars), counts, 1))
     return Chain(length, path, dict(counts))
-
-
-def decode_step(cfg, batch: int = 1, max_len: int = 4096) -> Chain:
-    """The chain of the model's decode step (generate.decode_program) from shapes alone."""
-    from dsattn import generate
-    from dsattn.bench import lower
-
-    eng = lower.abstract_engine(cfg)
-    cache = jax.eval_shape(lambda: eng.init_cache(batch, max_len))
-    return of_jaxpr(generate.decode_program.trace(
-        eng.graph, eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache).jaxpr)

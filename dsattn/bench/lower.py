@@ -63,6 +63,15 @@ def lowered(cfg, batch: int, max_len: int, chunk: int | None = None):
                                           None), cache
 
 
+def decode_chain(cfg, batch: int, max_len: int) -> kernel_chain.Chain:
+    """The longest chain of dependent kernels of the decode step (dsattn.bench.kernel_chain),
+    from shapes alone."""
+    eng = abstract_engine(cfg)
+    cache = jax.eval_shape(lambda: eng.init_cache(batch, max_len))
+    return kernel_chain.of_jaxpr(generate.decode_program.trace(
+        eng.graph, eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache).jaxpr)
+
+
 def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
             compile: bool = True) -> dict:
     """Sizes of a full-size program, with kvbytes' figure for the same cache."""
@@ -75,7 +84,7 @@ def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
            + batch * kvbytes.local_bytes(cfg, context=max_len),
            "cache_argument_bytes": nbytes(cache)}
     if chunk is None:  # its longest chain of dependent kernels (a floor on launches)
-        chain = kernel_chain.decode_step(cfg, batch, max_len)
+        chain = decode_chain(cfg, batch, max_len)
         out.update(kernel_chain=chain.length, kernel_counts=chain.counts,
                    kernel_chain_path=[list(step) for step in chain.path])
     if compile:
