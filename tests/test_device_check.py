@@ -48,6 +48,8 @@ def test_device_check_reports_every_section(tmp_path):
         assert row["roofline_ms"] == pytest.approx(
             (row["cache_read_bytes"] + row["weight_bytes"]) / bw * 1e3)
     assert "tokens/s" in run.stdout and "roofline" in run.stdout
+    # the floor on its sequential kernels: at least the two tiny layers' attention and FFN
+    assert short["kernel_chain"] == long["kernel_chain"] >= 2 * 3
     # The sweep: one row per context at batch 1 (capped), its roofline by definition and a
     # kernel breakdown of its traced step; the training step's breakdown too.
     assert [(r["context"], r["batch"]) for r in report["sweep"]] == [(64, 1), (256, 1)]

@@ -26,7 +26,7 @@ from flax import nnx
 
 from dsattn import config as config_lib
 from dsattn import flops
-from dsattn.bench import measures, sweep, trace
+from dsattn.bench import lower, measures, sweep, trace
 from dsattn.model import Transformer
 
 # Tests that only a GPU or TPU runs in full (their compiled-kernel cases skip elsewhere).
@@ -190,6 +190,8 @@ def decode_preset(settings: Settings, name: str, bandwidth: float,
                  f"attention.impl={impl}")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     weights = measures.param_bytes(model)
+    # the floor on its sequential kernels, beside the trace's count of what ran
+    chain = lower.decode_chain(cfg, settings.decode_batch, longest + 64)
     rows = []
     for context in settings.contexts:
         got = measures.time_decode(model, context, settings.decode_batch,
@@ -200,7 +202,9 @@ def decode_preset(settings: Settings, name: str, bandwidth: float,
                      "batch": settings.decode_batch,
                      **got, "cache_read_bytes": cache_bytes, "weight_bytes": weights,
                      "roofline_ms": roofline_ms, "of_roofline": roofline_ms / got["step_ms"],
-                     "decode_flops_per_token": flops.decode_flops_per_token(cfg, context)})
+                     "decode_flops_per_token": flops.decode_flops_per_token(cfg, context),
+                     "kernel_chain": chain.length, "kernel_counts": chain.counts,
+                     "kernel_chain_per_layer": chain.length / cfg.model.n_layers})
     return rows
 
 
@@ -372,7 +376,9 @@ def summary(report: dict) -> str:
                      f"{r['step_ms']:.3f} ms/step{vs}, "
                      f"roofline {r['roofline_ms']:.3f} ms ({r['of_roofline']:.1%} of it; "
                      f"{r['cache_read_bytes'] / 1e6:.2f} MB cache + "
-                     f"{r['weight_bytes'] / 1e6:.1f} MB weights)")
+                     f"{r['weight_bytes'] / 1e6:.1f} MB weights)"
+                     + (f"; {r['kernel_chain_per_layer']:.1f} dependent kernels a layer at "
+                        f"least" if "kernel_chain" in r else ""))
     for r in report.get("command_buffers", []):
         lines.append(f"command buffers {r['variant']:>7}: decode {r['preset']} at "
                      f"{r['context']:,}: {r['step_ms']:.3f} ms/step")
