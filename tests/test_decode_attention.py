@@ -62,8 +62,8 @@ def _latents(fmt, seed=0):
     rng = np.random.default_rng(seed)
     f32 = _f32(rng)
     stored = formats.encode(fmt, f32(B, L, CM), R)
-    pos = jnp.asarray([33, 0, 17], jnp.int32)  # row 1: nothing cached yet
-    valid = jnp.asarray([True, True, False])  # row 2: a padded token
+    pos = jnp.asarray([33, 0, 45], jnp.int32)  # row 1: nothing cached yet
+    valid = jnp.asarray([True, True, False])  # row 2: a padded token past the capacity L
     return (f32(B, H, CM), pos, contiguous.Slots(stored, pos, fmt, R), f32(B, 1, CM), valid)
 
 
@@ -101,12 +101,13 @@ def test_reference_is_todays_decode_attention(local_fmt, main_fmt):
 
 
 @pytest.mark.parametrize("local_fmt,main_fmt", CASES)
-def test_kernel_equals_reference(local_fmt, main_fmt):
+@pytest.mark.parametrize("splits", [2, 1])  # 1: one program walks both blocks of picks
+def test_kernel_equals_reference(local_fmt, main_fmt, splits):
     q, pos, after, _, _, cache, idx, sink = _state(local_fmt, main_fmt, seed=1)
     parts = lambda r, c, i: [da.picks(c, i), da.window(r, NARROW)]  # noqa: E731
     want = da.reference(q, pos, parts(after, cache, idx), scale=SCALE, sink=sink)
     got = jax.jit(lambda q, pos, r, c, i, s: da.attention(
-        q, pos, parts(r, c, i), scale=SCALE, sink=s, block_k=16, splits=2, programs=2,
+        q, pos, parts(r, c, i), scale=SCALE, sink=s, block_k=16, splits=splits,
         interpret=True))(q, pos, after, cache, idx, sink)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
@@ -126,16 +127,18 @@ def test_mla_reference_is_the_contiguous_cache_decoded_whole():
 
 
 @pytest.mark.parametrize("fmt", MLA_FORMATS)
-def test_mla_kernel_equals_reference(fmt):
+@pytest.mark.parametrize("splits", [2, 1])
+def test_mla_kernel_equals_reference(fmt, splits):
     """MLA's absorbed decode: the contiguous cache's slots before the step (one page per
-    row, walked by bound: 3 programs share a row's live blocks, the empty row walks none)
-    and the step's own latent; value channels DC < C."""
+    row, walked by bound: row 0's 3 live blocks shared by 2 programs, or all walked by one;
+    the empty row walks none) and the step's own latent; value channels DC < C. A slot
+    count past the cache's capacity reads the capacity."""
     q, pos, slots, fresh, valid = _latents(fmt, seed=2)
     parts = _mla_parts(slots, fresh, pos, valid)
     want = da.reference(q, pos, parts, scale=SCALE, value_dim=DC)
     got = jax.jit(lambda q, pos, sl, f, v: da.attention(
         q, pos, _mla_parts(sl, f, pos, v), scale=SCALE, value_dim=DC, block_k=16,
-        programs=3, interpret=True))(q, pos, slots, fresh, valid)
+        splits=splits, interpret=True))(q, pos, slots, fresh, valid)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
@@ -148,8 +151,8 @@ def test_dsa_and_hca_reads_equal_the_reference():
     q = _f32(np.random.default_rng(4))(B, H, CM)
     run = jax.jit(lambda q, pos, c, i: (
         da.attention(q, pos, [da.picks(c, i)], scale=SCALE, value_dim=DC, block_k=16,
-                     programs=2, interpret=True),
-        da.attention(q, pos, [da.visible(c, pos, 2)], scale=SCALE, block_k=16, programs=2,
+                     splits=2, interpret=True),
+        da.attention(q, pos, [da.visible(c, pos, 2)], scale=SCALE, block_k=16, splits=2,
                      interpret=True)))
     (dsa, dsa_lse), (hca, hca_lse) = run(q, pos, cache, idx)
     want = da.reference(q, pos, [da.picks(cache, idx)], scale=SCALE, value_dim=DC)

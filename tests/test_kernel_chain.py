@@ -1,6 +1,7 @@
 """The longest chain of dependent kernels (dsattn.bench.kernel_chain) of hand-built programs
 whose chain is known: parallel matmuls count once on the chain and each in the counts, a
-jit body and a cond's longer branch are followed (its other branch not counted), a scan's body counts once per iteration,
+jit body and a cond's longer branch are followed (its other branch not counted), a scan's
+body counts once per iteration along its carry (a product of its inputs alone once),
 a Pallas call counts once whatever it holds, and elementwise work counts nothing."""
 
 import jax
@@ -25,6 +26,8 @@ def program(x, w, flag):
     b = jax.jit(lambda y: y @ w)(a)  # 3, inside a jit
     c = jax.lax.cond(flag, lambda y: (y @ w) @ w, lambda y: y @ w.T, b)  # 5 by the longer branch
     d = jax.lax.scan(lambda y, _: (y @ w, None), c, None, length=4)[0]  # 9
+    # a product of each iteration's input alone: once on the chain, whatever the length
+    d = d + jax.lax.scan(lambda y, x: (y + x @ w, None), d, jnp.stack([x] * 5))[0]
     e = _double(d)  # 10: one Pallas call
     i = jax.lax.top_k(e, 2)[1]  # 11
     return e.at[0, i[0]].set(side[0, :2]), i  # 12: the scatter
@@ -35,8 +38,9 @@ def test_chain_of_a_known_program():
     assert chain.length == 12
     assert [op for op, _ in chain.path] == ["dot_general"] * 9 + ["pallas_call", "top_k",
                                                                    "scatter"]
-    # every dot: 2 + 1 beside + 1 in the jit + 2 in the cond's larger branch + 4 in the scan
-    assert chain.counts == {"dot_general": 10, "pallas_call": 1, "top_k": 1, "scatter": 1}
+    # every dot: 2 + 1 beside + 1 in the jit + 2 in the cond's larger branch + 4 + 5 in
+    # the scans
+    assert chain.counts == {"dot_general": 15, "pallas_call": 1, "top_k": 1, "scatter": 1}
     assert all(where.startswith("test_kernel_chain.") for _, where in chain.path)
 
 

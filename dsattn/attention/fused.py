@@ -15,10 +15,10 @@ selected-entries kernel and its entry-mass pass into a registry entry.
 Each part of the read is one kernel call over the whole sequence (a kernel blocks it
 itself); the parts are merged by their log-sum-exp with the sink added once, the
 epilogue runs over the whole output, and the indexer's KL target comes from `entry_mass`
-at the merged log-sum-exp. Nothing here materialises per-block scores. A decode step of
-the V4 family (one query per row, a window with its ring, a global part in a paged cache)
-goes to `decode` when given, so it reads only the window and the picked entries, as
-stored; otherwise a paged store is decoded whole (`read_all`) for the other kernels. MHA's decode
+at the merged log-sum-exp. Nothing here materialises per-block scores. A decode step over
+shared entries (the V4 family's window and global part, MLA's absorbed latents, DSA's
+picked tokens) goes to `decode` when given, so it reads only what it selects, as stored;
+otherwise a paged store is decoded whole (`read_all`) for the other kernels. MHA's decode
 step (GROUPED, one query per row) stays with the reference's dots over its head-major
 cache.
 """
@@ -73,11 +73,15 @@ def _merge(parts, sink):
     return out.astype(parts[0][0].dtype), lse
 
 
+_OWN_KEYS = 64  # keys as computed that one kernel program walks (a step's own token)
+
+
 def _decode_parts(read: Read, q):
     """The parts (kernels/decode_attention.py) a decode kernel reads `read` by, from the
     caches as stored, when it is one decode step it can read: one query per row, SHARED
     entries, no KL target, every part a window with its ring, a global read of a paged cache,
-    a contiguous cache's slots or a few keys as computed. Else None."""
+    a contiguous cache's slots or a few cached-execution keys as computed (with their
+    `seen`). Else None."""
     if q.shape[1] != 1 or read.layout is not Layout.SHARED or read.target is not None:
         return None
     q_pos, parts = read.positions[:, 0], []
@@ -93,15 +97,13 @@ def _decode_parts(read: Read, q):
         elif isinstance(part, Keys) and part.slots is not None:
             sl = part.slots
             parts.append(decode_attention.prefix(sl.stored, sl.fmt, sl.rope, sl.count))
-        elif isinstance(part, Keys) and part.pos.shape[1] <= _OWN_KEYS:
-            pos = part.pos if part.seen is None else jnp.where(part.seen, part.pos, -1)
+        elif (isinstance(part, Keys) and not part.sequence and part.seen is not None
+              and part.pos.shape[1] <= _OWN_KEYS):
+            pos = jnp.where(part.seen, part.pos, -1)
             parts.append(decode_attention.values(part.arrays[0], pos))
         else:
             return None
     return parts
-
-
-_OWN_KEYS = 64  # keys as computed that one kernel program walks (a step's own token)
 
 
 def adapter(dense, sparse, entry_mass, decode=None):

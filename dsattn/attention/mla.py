@@ -126,7 +126,8 @@ class MLA(nnx.Module):
 
         def read(segments):  # a prefill chunk by query blocks; decode is one block
             parts = tuple(attend.Keys(seg.values, seg.pos, seg.seen,
-                                      slots=seg.slots and seg.slots[0]) for seg in segments)
+                                      slots=seg.slots[0] if seg.slots else None)
+                          for seg in segments)
             return self.absorbed((q_nope, q_pe), positions, None, parts)[0]
 
         out, (stored,) = contiguous.extend((cache.latent,), (lat,), positions, valid, read,

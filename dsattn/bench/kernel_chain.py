@@ -10,8 +10,10 @@ what may fuse (elementwise work) and what the floor need not count to be one (th
 normalisations' and softmaxes' reductions, which add kernels of their own on a GPU).
 
 Sub-programs are followed: jit, custom_jvp/vjp and remat bodies in place; a cond's longest
-branch; a scan's body once per iteration, a while loop's once (its trip count is not known
-when tracing). A Pallas call counts once, whatever its body holds.
+branch after its predicate; a scan's body once per iteration with the carry's chains fed
+back (so work that does not depend on the carry does not add up; past 64 iterations each
+further one adds the last one's growth); a while loop's body once (its trip count is not
+known when tracing). A Pallas call counts once, whatever its body holds.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ COUNTED = frozenset({"dot_general", "pallas_call", "sort", "top_k", "scatter", "
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """``length`` counted ops one after another; ``path``: the chain as (op, where) steps,
-    where = the innermost dsattn functions that issued it; ``counts``: every counted op of
-    the program by kind (chain or not, a scan's body once per iteration)."""
+    where = the two innermost functions that issued it (neither jax's, flax's nor the
+    model's building blocks in dsattn/nn); ``counts``: the counted ops one run of the
+    program issues, by kind (chain or not; a scan's body once per iteration, of a cond's
+    branches the most any of them issues of each kind)."""
 
     length: int
     path: tuple
@@ -61,6 +65,7 @@ def _bodies(eqn):
 
 
 _START = (0, ())
+_ITERATIONS = 64  # a scan's iterations walked one by one
 
 
 def _longest(items):
@@ -76,17 +81,16 @@ def _walk(jaxpr, inputs, counts, times: int):
         ins = [get(a) for a in eqn.invars]
         first = _longest(ins)
         name, bodies = eqn.primitive.name, _bodies(eqn)
-        if name == "cond":  # operand 0 picks one branch: its longest, its most ops
+        if name == "cond":  # operand 0 picks one branch: after it, the longest
             per = [collections.Counter() for _ in bodies]
-            outs = [_longest(o) for o in zip(*(_walk(b, ins[1:], c, times)
-                                               for b, c in zip(bodies, per)))]
-            counts.update(functools.reduce(operator.or_, per))
-        elif name in ("scan", "while"):
-            body = bodies[0] if name == "scan" else bodies[-1]
-            n = int(eqn.params.get("length", 1))
-            one = _longest(_walk(body, [first] * len(body.invars), counts, times * n))
-            steps = one[1][len(first[1]):]  # one iteration's, after the inputs' chain
-            outs = [(first[0] + len(steps) * n, first[1] + steps * n)] * len(eqn.outvars)
+            outs = [_longest(o + (ins[0],)) for o in zip(*(_walk(b, ins[1:], c, times)
+                                                           for b, c in zip(bodies, per)))]
+            counts.update(functools.reduce(operator.or_, per))  # per kind, the most
+        elif name == "scan":
+            outs = _scan(eqn, bodies[0], ins, counts, times)
+        elif name == "while":  # its trip count is not known here: one pass of its body
+            body = bodies[-1]
+            outs = _walk(body, [first] * len(body.invars), counts, times)
         elif bodies:  # a call: its body in place
             body = bodies[0]
             outs = _walk(body, ins if len(ins) == len(body.invars)
@@ -98,6 +102,23 @@ def _walk(jaxpr, inputs, counts, times: int):
             outs = [first] * len(eqn.outvars)
         at.update(zip(eqn.outvars, outs))
     return [get(v) for v in jaxpr.outvars]
+
+
+def _scan(eqn, body, ins, counts, times: int):
+    """A scan's outputs: its body walked once per iteration, the carry's chains fed back
+    (past `_ITERATIONS`, each further iteration adds the last one's growth)."""
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n = int(eqn.params["length"])
+    consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
+    xs = ins[n_consts + n_carry:]
+    tops, outs = [], carry
+    for k in range(min(n, _ITERATIONS)):  # every iteration issues the first one's ops
+        outs = _walk(body, consts + carry + xs, counts if k == 0 else collections.Counter(),
+                     times * n)
+        carry = outs[:n_carry]
+        tops.append(_longest(outs)[0])
+    growth = (n - len(tops)) * (tops[-1] - tops[-2] if len(tops) > 1 else 0)
+    return [(length + growth, path) for length, path in outs]
 
 
 def of_jaxpr(closed: core.ClosedJaxpr) -> Chain:

@@ -61,8 +61,10 @@ from dsattn.cache import formats, paged
 DEFAULTS = dict(
     block_k=64,  # entries per step (fewer when a tile would pass tile_bytes)
     tile_bytes=64 * 1024,  # one [block_k, c] tile in q's dtype: Triton keeps it on chip
-    splits=4,  # programs per row a part of picks or by bound gets at least
-    programs=264,  # ... and up to this many programs in all: two per SM of an H100/H200
+    # Programs per row of a part of picks or read by bound: enough that the batch's fill
+    # `programs` (two per SM of an H100/H200), few enough that the partials they write stay
+    # under 1 / `partial_share` of the entries the part can hold, never more than its blocks.
+    programs=264, partial_share=4,
     num_warps=4, num_stages=2)
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
@@ -171,7 +173,7 @@ def _gathered(part, q_pos, dtype):
     ids = (jnp.broadcast_to(jnp.arange(slots * ps, dtype=jnp.int32), (part.table.shape[0],
                                                                       slots * ps))
            if part.ids is None else part.ids)
-    read = (ids >= 0) & (ids < part.limit[:, None])
+    read = (ids >= 0) & (ids < part.limit[:, None]) & (ids < slots * ps)
     safe = jnp.where(read, ids, 0)
     page = jnp.maximum(jnp.take_along_axis(part.table, safe // ps, axis=1), 0)
     kv = {k: a[...][page, safe % ps] for k, a in part.stored.items()}
@@ -345,9 +347,9 @@ def _locate(part: _PartPlan, refs, b, jj, i, qpos, bk):
         ids = i * bk + jax.lax.iota(jnp.int32, bk)
     else:
         ids = refs[part.ids][pl.ds((jj * part.blocks + i) * bk, bk)]
-    ok = (ids >= 0) & (ids < refs[part.limit][b])
-    safe = jnp.where(ok, ids, 0)
     ps = jnp.int32(part.page_size)
+    ok = (ids >= 0) & (ids < refs[part.limit][b]) & (ids < part.n_slots * ps)
+    safe = jnp.where(ok, ids, 0)
     slot = jnp.minimum(jax.lax.div(safe, ps), part.n_slots - 1)
     page = jnp.maximum(refs[part.table][b, slot], 0)
     return ok, page * ps + jax.lax.rem(safe, ps)
@@ -384,8 +386,9 @@ def _walk(plan: _Plan, part: _PartPlan, refs, b, jj, o_ref, lse_ref):
     m, l, outs = jax.lax.fori_loop(lo, hi, step, start)
     seen = l > 0
     l = jnp.where(seen, l, 1)
-    for ch, o in zip(layout.chunks, outs):
-        o_ref[:, ch.channels] = o / l[:, None]
+    for ch, o, mix in zip(layout.chunks, outs, part.mixed):
+        if mix:
+            o_ref[:, ch.channels] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
 
 
@@ -403,14 +406,14 @@ def _pow2_floor(n: int) -> int:
 
 def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None = None,
               block_k: int | None = None, splits: int | None = None,
-              programs: int | None = None, interpret: bool = False, precision=None,
-              num_warps: int | None = None, num_stages: int | None = None):
+              interpret: bool = False, precision=None, num_warps: int | None = None,
+              num_stages: int | None = None):
     """(out [B, H, value_dim] in q's dtype, lse [B, H]) of one decode step (module
     docstring) by the Pallas kernel. q [B, H, c] at positions q_pos int [B]; ``parts`` a
     sequence of `Paged` and `Own` (their entries c wide); ``sink`` [H] or None;
     ``value_dim`` the value channels (None: all c). ``block_k`` (a power of two >= 16)
-    entries per step; a part of picks or read by bound gets between ``splits`` and
-    ``programs`` / B programs per row (never more than it has blocks)."""
+    entries per step; ``splits`` programs per row of each part of picks or read by bound
+    (never more than it has blocks; None: by `DEFAULTS`)."""
     q_pos = jnp.asarray(q_pos, jnp.int32)
     parts = tuple(parts)
     _check(q, q_pos, parts, sink)
@@ -426,9 +429,17 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
                   else p.table.shape[1] * p.page_size if isinstance(p, Paged)
                   else p.pos.shape[1] for p in parts)
     bk = min(bk, max(16, pl.next_power_of_2(longest)))
-    least = DEFAULTS["splits"] if splits is None else splits
-    most = max(least, -(-(DEFAULTS["programs"] if programs is None else programs) // bsz))
     hp = max(16, pl.next_power_of_2(h))
+    partial_bytes = hp * c * q.dtype.itemsize
+
+    def programs(p, n_blocks):
+        """Programs per row of a part of picks or read by bound."""
+        if splits is not None:
+            return max(1, min(n_blocks, splits))
+        held = n_blocks * bk * formats.bytes_per_vector(p.fmt, c, p.rope)
+        return max(1, min(n_blocks, -(-DEFAULTS["programs"] // bsz),
+                          held // (DEFAULTS["partial_share"] * partial_bytes)))
+
     qh = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     inputs = [q_pos]
     row = lambda *tail: pl.BlockSpec((None,) + tail, lambda b, j: (b,) + (0,) * len(tail))  # noqa: E731
@@ -451,7 +462,7 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
         else:
             n = p.table.shape[1] * p.page_size if p.ids is None else p.ids.shape[1]
             n_blocks = -(-n // bk)
-            count = max(1, min(n_blocks, most))
+            count = programs(p, n_blocks)
             blocks = n_blocks if p.ids is None else -(-n_blocks // count)
             ids = None
             if p.ids is not None:
@@ -475,7 +486,9 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
         in_specs=specs,
         out_specs=[pl.BlockSpec((None, None, hp, c), lambda b, j: (b, j, 0, 0)),
                    pl.BlockSpec((None, None, hp), lambda b, j: (b, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, first, hp, c), acc),
+        # the partial outputs in q's dtype (what the step's output is rounded to anyway),
+        # their lse in the accumulators'
+        out_shape=[jax.ShapeDtypeStruct((bsz, first, hp, c), q.dtype),
                    jax.ShapeDtypeStruct((bsz, first, hp), acc)],
         compiler_params=plgpu.CompilerParams(
             num_warps=DEFAULTS["num_warps"] if num_warps is None else num_warps,
@@ -488,4 +501,4 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
         [lse, jnp.broadcast_to(sink.astype(acc), (bsz, 1, h))], axis=1)
     total = jax.nn.logsumexp(merged, axis=1)
     weight = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0)[:, None])
-    return jnp.sum(weight[..., None] * out, axis=1).astype(q.dtype), total
+    return jnp.sum(weight[..., None] * out.astype(acc), axis=1).astype(q.dtype), total
