@@ -113,6 +113,22 @@ def test_kernel_equals_reference(local_fmt, main_fmt, splits):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
+def test_heads_past_a_block_take_programs_of_their_own():
+    """40 heads in blocks of 16 (3 blocks, the last 8 heads padding): each block of heads
+    walks the entries itself and every head equals the reference."""
+    _, pos, after, _, _, cache, idx, _ = _state(*V41, seed=7)
+    rng = np.random.default_rng(8)
+    q, sink = jnp.asarray(rng.standard_normal((B, 40, C)), jnp.float32), jnp.asarray(
+        rng.standard_normal(40), jnp.float32)
+    parts = lambda r, c, i: [da.picks(c, i), da.window(r, NARROW)]  # noqa: E731
+    want = da.reference(q, pos, parts(after, cache, idx), scale=SCALE, sink=sink)
+    got = jax.jit(lambda q, r, c, i, s: da.attention(
+        q, pos, parts(r, c, i), scale=SCALE, sink=s, block_k=16, splits=2, head_block=16,
+        interpret=True))(q, after, cache, idx, sink)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
 def test_mla_reference_is_the_contiguous_cache_decoded_whole():
     q, pos, slots, fresh, valid = _latents("fp8_ds_mla")
     cached = formats.decode("fp8_ds_mla", slots.stored)
@@ -169,6 +185,8 @@ def test_bad_reads_are_refused():
     q, pos, after, _, _, cache, idx, _ = _state(*V41)
     with pytest.raises(ValueError, match="nothing to read"):
         da.attention(q, pos, [], scale=SCALE)
+    with pytest.raises(ValueError, match="head_block"):
+        da.attention(q, pos, [da.picks(cache, idx)], scale=SCALE, head_block=24)
     with pytest.raises(ValueError, match="value_dim"):
         da.attention(q, pos, [da.picks(cache, idx)], scale=SCALE, value_dim=C + 1)
     with pytest.raises(ValueError, match="width 96"):

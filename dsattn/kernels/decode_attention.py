@@ -26,7 +26,7 @@ Returns (out [B, H, value_dim] in q's dtype, lse [B, H]: float32, float64 for fl
 - ``attention``: the Pallas kernel (Triton-style ``jax.experimental.pallas``; interpret=True
   on CPU; it lowers for CUDA). Forward only (decode needs no gradient).
 
-Kernel: grid (batch row, program). Each part has its programs: a `Paged` part of picks
+Kernel: grid (batch row, program, block of heads). Each part has its programs: a `Paged` part of picks
 splits its ids into equal shares; a `Paged` part read by bound shares the row's live blocks
 (ceil(limit / block_k), known only at run time: the walk's trip count is dynamic, so a row
 reads what its context holds, not the cache's capacity); an `Own` part is one program.
@@ -65,6 +65,9 @@ DEFAULTS = dict(
     # `programs` (two per SM of an H100/H200), few enough that the partials they write stay
     # under 1 / `partial_share` of the entries the part can hold, never more than its blocks.
     programs=264, partial_share=4,
+    # heads a program reads the entries for: its [heads, c] accumulators stay in registers
+    # (more heads: more programs, each reading the entries again)
+    head_block=16,
     num_warps=4, num_stages=2)
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
@@ -406,14 +409,15 @@ def _pow2_floor(n: int) -> int:
 
 def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None = None,
               block_k: int | None = None, splits: int | None = None,
-              interpret: bool = False, precision=None, num_warps: int | None = None,
-              num_stages: int | None = None):
+              head_block: int | None = None, interpret: bool = False, precision=None,
+              num_warps: int | None = None, num_stages: int | None = None):
     """(out [B, H, value_dim] in q's dtype, lse [B, H]) of one decode step (module
     docstring) by the Pallas kernel. q [B, H, c] at positions q_pos int [B]; ``parts`` a
     sequence of `Paged` and `Own` (their entries c wide); ``sink`` [H] or None;
     ``value_dim`` the value channels (None: all c). ``block_k`` (a power of two >= 16)
     entries per step; ``splits`` programs per row of each part of picks or read by bound
-    (never more than it has blocks; None: by `DEFAULTS`)."""
+    (never more than it has blocks; None: by `DEFAULTS`); ``head_block`` (a power of two
+    >= 16) heads per program."""
     q_pos = jnp.asarray(q_pos, jnp.int32)
     parts = tuple(parts)
     _check(q, q_pos, parts, sink)
@@ -429,7 +433,12 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
                   else p.table.shape[1] * p.page_size if isinstance(p, Paged)
                   else p.pos.shape[1] for p in parts)
     bk = min(bk, max(16, pl.next_power_of_2(longest)))
-    hp = max(16, pl.next_power_of_2(h))
+    hb = DEFAULTS["head_block"] if head_block is None else head_block
+    if hb < 16 or hb & (hb - 1):
+        raise ValueError(f"decode_attention: head_block={hb} must be a power of two >= 16")
+    hb = min(hb, max(16, pl.next_power_of_2(h)))
+    groups = -(-h // hb)  # of heads, each its own programs
+    hp = groups * hb
     partial_bytes = hp * c * q.dtype.itemsize
 
     def programs(p, n_blocks):
@@ -442,11 +451,11 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
 
     qh = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     inputs = [q_pos]
-    row = lambda *tail: pl.BlockSpec((None,) + tail, lambda b, j: (b,) + (0,) * len(tail))  # noqa: E731
+    row = lambda *tail: pl.BlockSpec((None,) + tail, lambda b, j, g: (b,) + (0,) * len(tail))  # noqa: E731
     specs = [pl.no_block_spec]
     add = lambda x, spec: (inputs.append(x), specs.append(spec), len(inputs) - 1)[2]  # noqa: E731
     plans, first = [], 0
-    q_ref = add(qh, row(hp, c))
+    q_ref = add(qh, pl.BlockSpec((None, hb, c), lambda b, j, g: (b, g, 0)))
     for p in parts:
         layout = _layout(p.fmt, c, p.rope)
         mixed = tuple(ch.channel < dv for ch in layout.chunks)
@@ -482,10 +491,10 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
                  precision=precision, acc=acc)
     out, lse = pl.pallas_call(
         functools.partial(_kernel, plan=plan),
-        grid=(bsz, first),
+        grid=(bsz, first, groups),
         in_specs=specs,
-        out_specs=[pl.BlockSpec((None, None, hp, c), lambda b, j: (b, j, 0, 0)),
-                   pl.BlockSpec((None, None, hp), lambda b, j: (b, j, 0))],
+        out_specs=[pl.BlockSpec((None, None, hb, c), lambda b, j, g: (b, j, g, 0)),
+                   pl.BlockSpec((None, None, hb), lambda b, j, g: (b, j, g))],
         # the partial outputs in q's dtype (what the step's output is rounded to anyway),
         # their lse in the accumulators'
         out_shape=[jax.ShapeDtypeStruct((bsz, first, hp, c), q.dtype),
