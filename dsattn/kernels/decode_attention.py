@@ -446,7 +446,7 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
         if splits is not None:
             return max(1, min(n_blocks, splits))
         held = n_blocks * bk * formats.bytes_per_vector(p.fmt, c, p.rope)
-        return max(1, min(n_blocks, -(-DEFAULTS["programs"] // bsz),
+        return max(1, min(n_blocks, -(-DEFAULTS["programs"] // (bsz * groups)),
                           held // (DEFAULTS["partial_share"] * partial_bytes)))
 
     qh = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
