@@ -49,33 +49,36 @@ def _ops(hlo_text: str) -> int:
     return len(re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ", hlo_text, flags=re.M))
 
 
-def lowered(cfg, batch: int, max_len: int, chunk: int | None = None):
-    """(lowered program, abstract decode state): decode (chunk None) or a `chunk`-token
+def traced(cfg, batch: int, max_len: int, chunk: int | None = None):
+    """(traced program, abstract decode state): decode (chunk None) or a `chunk`-token
     prefill over a cache of `max_len` positions per row."""
     eng = abstract_engine(cfg)
     cache = jax.eval_shape(lambda: eng.init_cache(batch, max_len))
     if chunk is None:
-        return generate.decode_program.lower(
+        return generate.decode_program.trace(
             eng.graph, eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache), cache
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
     n_new = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return generate.prefill_program.lower(eng.graph, eng.state, tokens, n_new, cache, None,
+    return generate.prefill_program.trace(eng.graph, eng.state, tokens, n_new, cache, None,
                                           None), cache
+
+
+def lowered(cfg, batch: int, max_len: int, chunk: int | None = None):
+    """(lowered program, abstract decode state) of `traced`."""
+    program, cache = traced(cfg, batch, max_len, chunk)
+    return program.lower(), cache
 
 
 def decode_chain(cfg, batch: int, max_len: int) -> kernel_chain.Chain:
     """The longest chain of dependent kernels of the decode step (dsattn.bench.kernel_chain),
     from shapes alone."""
-    eng = abstract_engine(cfg)
-    cache = jax.eval_shape(lambda: eng.init_cache(batch, max_len))
-    return kernel_chain.of_jaxpr(generate.decode_program.trace(
-        eng.graph, eng.state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache).jaxpr)
+    return kernel_chain.of_jaxpr(traced(cfg, batch, max_len)[0].jaxpr)
 
 
 def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
             compile: bool = True) -> dict:
     """Sizes of a full-size program, with kvbytes' figure for the same cache."""
-    low, cache = lowered(cfg, batch, max_len, chunk)
+    program, cache = traced(cfg, batch, max_len, chunk)
     out = {"program": "decode" if chunk is None else f"prefill {chunk}", "batch": batch,
            "max_len": max_len,
            "param_bytes": abstract_engine(cfg).weight_bytes,  # as the programs read them
@@ -84,11 +87,11 @@ def analyse(cfg, batch: int, max_len: int, chunk: int | None = None,
            + batch * kvbytes.local_bytes(cfg, context=max_len),
            "cache_argument_bytes": nbytes(cache)}
     if chunk is None:  # its longest chain of dependent kernels (a floor on launches)
-        chain = decode_chain(cfg, batch, max_len)
+        chain = kernel_chain.of_jaxpr(program.jaxpr)
         out.update(kernel_chain=chain.length, kernel_counts=chain.counts,
                    kernel_chain_path=[list(step) for step in chain.path])
     if compile:
-        compiled = low.compile()
+        compiled = program.lower().compile()
         mem = compiled.memory_analysis()
         out.update(argument_bytes=int(mem.argument_size_in_bytes),
                    output_bytes=int(mem.output_size_in_bytes),
