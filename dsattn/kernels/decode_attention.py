@@ -26,23 +26,23 @@ Returns (out [B, H, value_dim] in q's dtype, lse [B, H]: float32, float64 for fl
 - ``attention``: the Pallas kernel (Triton-style ``jax.experimental.pallas``; interpret=True
   on CPU; it lowers for CUDA). Forward only (decode needs no gradient).
 
-Kernel: grid (batch row, program, block of heads). Each part has its programs: a `Paged` part of picks
-splits its ids into equal shares; a `Paged` part read by bound shares the row's live blocks
-(ceil(limit / block_k), known only at run time: the walk's trip count is dynamic, so a row
-reads what its context holds, not the cache's capacity); an `Own` part is one program.
-Flash-decoding: a program walks its share ``block_k`` entries at a time with an online
-softmax and writes its partial (out, lse); the partials and the sink merge in XLA by their
-lse. A block's rows are found in the kernel (id -> page table -> pool row; slot -> row),
-loaded once for all heads (heads are the M dim of the [H, c] x [c, bk] score dot and the
-[H, bk] x [bk, c] mixing dot) and dequantized chunk by chunk: an entry's stored arrays are
-cut into power-of-two column chunks (Triton tiles; a packed E2M1 chunk is read twice, its
-low then its high nibbles), each chunk's scale columns broadcast over it; a chunk's entry
-channels are an arithmetic progression (stride 2 for a nibble), so it meets q's channels
-and writes its output's by strided loads and stores, with no permutation around the kernel.
-A chunk holding no value channel (MLA's rotary dims) is not mixed. On a GPU this one launch
-replaces the gather, the dequantize, two score products, the softmax and the mix: what a
-step's entries cost is one read of their stored bytes. Its speed is not measured (no GPU
-in the sessions that wrote it).
+Kernel: grid (batch row, program, block of heads). Each part has its programs: a `Paged`
+part of picks splits its ids into equal shares; a `Paged` part read by bound shares the
+row's live blocks (ceil(limit / block_k), known only at run time: the walk's trip count is
+dynamic, so a row reads what its context holds, not the cache's capacity); an `Own` part is
+one program. Flash-decoding: a program walks its share ``block_k`` entries at a time with
+an online softmax and writes its partial (out in q's dtype, lse); the partials and the sink
+merge in XLA by their lse. A block's rows are found in the kernel (id -> page table -> pool
+row; slot -> row), loaded once for the program's block of heads (up to `head_block`: the M
+dim of the [H, c] x [c, bk] score dot and the [H, bk] x [bk, c] mixing dot) and
+dequantized chunk by chunk: an entry's stored arrays are cut into power-of-two column
+chunks (Triton tiles; a packed E2M1 chunk is read twice, its low then its high nibbles),
+each chunk's scale columns broadcast over it; a chunk's entry channels are an arithmetic
+progression (stride 2 for a nibble), so it meets q's channels and writes its output's by
+strided loads and stores, with no permutation around the kernel. A chunk holding no value
+channel (MLA's rotary dims) is not mixed. On a GPU this one launch replaces the gather, the
+dequantize, two score products, the softmax and the mix: a step's entries cost one read of
+their stored bytes per block of heads. Its speed is not measured (no GPU in the sessions that wrote it).
 """
 
 from __future__ import annotations
