@@ -42,7 +42,8 @@ progression (stride 2 for a nibble), so it meets q's channels and writes its out
 strided loads and stores, with no permutation around the kernel. A chunk holding no value
 channel (MLA's rotary dims) is not mixed. On a GPU this one launch replaces the gather, the
 dequantize, two score products, the softmax and the mix: a step's entries cost one read of
-their stored bytes per block of heads. Its speed is not measured (no GPU in the sessions that wrote it).
+their stored bytes per block of heads. Its speed is not measured (no GPU in the sessions
+that wrote it).
 """
 
 from __future__ import annotations
