@@ -169,8 +169,9 @@ class AttentionConfig:
     # probabilities.
     entry_block: int = _key(2048, Kind.EXECUTION)
     # Which implementation runs every attention read (kernels/registry.py): "xla", the
-    # blocked reference; "auto": the first registered kernel that runs compiled on this
-    # backend and fits the config, else the reference. Same numbers, another program.
+    # blocked reference; "auto": in a program lowered for a GPU (the platform, not this
+    # process's backend), the first registered kernel that runs compiled there and fits
+    # the config, else the reference. Same numbers, another program.
     impl: str = _key("xla", Kind.EXECUTION)
 
 
@@ -183,6 +184,8 @@ class IndexerConfig:
     loss_weight: float = _key(1.0, Kind.MODEL)
     dense_warmup_steps: int = _key(0, Kind.MODEL)
     impl: str = _key("auto", Kind.MODEL)
+    # true: the score kernel runs in the Pallas interpreter everywhere (a debugging aid);
+    # false: compiled where the program is lowered for a GPU or TPU, interpreted for a CPU
     interpret: bool = _key(False, Kind.MODEL)
     # approx: lax.approx_max_k, fast on TPU; ties may differ
     topk_method: str = _key("exact", Kind.MODEL)

@@ -216,21 +216,23 @@ def test_impl_names_come_from_the_registry(stand_in):
     with pytest.raises(config.ConfigError, match="attention.impl: 'flash' is not one of"):
         preset("mha", "attention.impl=flash")
     # auto takes a kernel only where it runs compiled; the stand-in names no platform
-    assert registry.resolve(OP, preset("mha"), "auto") == registry.reference(OP)
+    auto = registry.resolve(OP, preset("mha"), "auto")
+    assert stand_in not in auto.names() and auto.on("cpu") == registry.reference(OP)
+    assert registry.resolve(OP, preset("mha"), stand_in) == registry.Choice(stand_in)
 
 
 def test_auto_skips_a_kernel_that_does_not_fit():
-    """`auto` passes over a kernel for this backend whose fit check refuses the config; the
+    """`auto` passes over a kernel for a platform whose fit check refuses the config; the
     same kernel named explicitly is a config error naming the reason."""
-    backend = jax.default_backend()
     why = "attention.window: the stand-in needs 8"
     registry.register(registry.Implementation(
-        OP, "picky", f"{__name__}:run_contract", (backend,),
+        OP, "picky", f"{__name__}:run_contract", ("rocm",),
         misfit=lambda cfg: None if cfg.attention.window == 8 else why))
     try:
         assert preset("v4").attention.window != 8
-        assert registry.resolve(OP, preset("v4"), "auto") == registry.reference(OP)
-        assert registry.resolve(OP, preset("v4", "attention.window=8"), "auto") == "picky"
+        assert registry.resolve(OP, preset("v4"), "auto").on("rocm") == registry.reference(OP)
+        fits = registry.resolve(OP, preset("v4", "attention.window=8"), "auto")
+        assert fits.on("rocm") == "picky" and fits.on("cpu") == registry.reference(OP)
         with pytest.raises(config.ConfigError, match=why):
             preset("v4", "attention.impl=picky")
     finally:

@@ -66,30 +66,33 @@ def test_compiled_kernel_decode_equals_xla(name):
                                preset_logits(name, "indexer.impl=xla"), atol=2e-4, rtol=2e-4)
 
 
-def resolved(*overrides):
-    return indexer.resolve_impl(preset("v41", *overrides))
+def resolved(*overrides, platform="cpu"):
+    return indexer.resolve_impl(preset("v41", *overrides)).on(platform)
 
 
 def test_impl_resolution():
-    # auto: the backend's kernel on a GPU or TPU, the reference path on a CPU
-    on = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
-    assert resolved("indexer.impl=auto") == on
+    # auto: the chip's kernel in a program lowered for a GPU or TPU, the reference for a CPU
+    for platform, on in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu"), ("cpu", "xla")):
+        assert resolved("indexer.impl=auto", platform=platform) == on
+    # a named kernel runs on every platform (interpreted for a CPU)
     assert resolved("indexer.impl=pallas_tpu", "cache.key_format=bf16") == "pallas_tpu"
     assert resolved("indexer.impl=pallas_tpu", "cache.key_format=fp4_ue8m0") == "pallas_tpu"
-    assert resolved("indexer.impl=pallas_gpu", "cache.key_format=fp8_ue8m0") == "pallas_gpu"
+    assert resolved("indexer.impl=pallas_gpu", "cache.key_format=fp8_ue8m0",
+                    platform="tpu") == "pallas_gpu"
     for impl in ("pallas_tpu", "pallas_gpu"):
         with pytest.raises(NotImplementedError, match=f"{impl}.*key_format='fp4_e4m3'"):
             resolved(f"indexer.impl={impl}", "cache.key_format=fp4_e4m3")
 
 
-@pytest.mark.parametrize("backend, expected", [("gpu", "pallas_gpu"), ("tpu", "pallas_tpu"),
-                                               ("cpu", "xla")])
-def test_auto_picks_the_backends_kernel(monkeypatch, backend, expected):
-    monkeypatch.setattr(indexer.jax, "default_backend", lambda: backend)
-    assert resolved("cache.key_format=fp4_ue8m0") == expected
-    assert resolved("cache.key_format=fp4_e4m3") == "xla"  # no kernel reads this format
+@pytest.mark.parametrize("platform, expected", [("cuda", "pallas_gpu"), ("tpu", "pallas_tpu"),
+                                                ("cpu", "xla")])
+def test_auto_picks_the_lowering_platforms_kernel(platform, expected):
+    assert resolved("cache.key_format=fp4_ue8m0", platform=platform) == expected
+    # no kernel reads this format
+    assert resolved("cache.key_format=fp4_e4m3", platform=platform) == "xla"
     # a pool whose blocks do not tile the pages: the kernels cannot run it, XLA can
-    assert resolved("cache.page_size=7", "attention.pool_block_size=4") == "xla"
+    assert resolved("cache.page_size=7", "attention.pool_block_size=4",
+                    platform=platform) == "xla"
 
 
 def test_approx_topk_selects_the_exact_set_on_tie_free_scores():

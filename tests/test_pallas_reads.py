@@ -66,13 +66,12 @@ def test_a_scanned_stack_decodes_through_the_kernels_as_the_reference(name, scan
                                decode_logits(name, *scanned), rtol=1e-10, atol=1e-12)
 
 
-def test_auto_takes_the_kernels_on_a_gpu_only_where_they_fit(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert registry.resolve(OP, preset("v4"), "auto") == "pallas_gpu"
+def test_auto_takes_the_kernels_for_a_gpu_only_where_they_fit():
+    auto = registry.resolve(OP, preset("v4"), "auto")
+    assert (auto.on("cuda"), auto.on("gpu"), auto.on("cpu"), auto.on("tpu")) == (
+        "pallas_gpu", "pallas_gpu", "xla", "xla")
     odd = preset("v4", "attention.entry_dim=40")
-    assert registry.resolve(OP, odd, "auto") == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert registry.resolve(OP, preset("v4"), "auto") == "xla"
+    assert registry.resolve(OP, odd, "auto") == registry.Choice("xla")
 
 
 @pytest.mark.parametrize("name, overrides, key", [
@@ -87,11 +86,11 @@ def test_a_head_dim_the_kernels_cannot_tile_is_a_config_error(name, overrides, k
     assert preset(name, *overrides).attention.impl == "xla"
 
 
-def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
+def test_a_v4_training_step_through_the_kernels_lowers_for_cuda():
     """The whole loss-and-gradient program of a window + CSA stack, bfloat16, lowers for
     CUDA on this CPU with the reads as Triton kernels (forward, backward, entry mass) and
-    no gather of picked entries around them."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compile, not interpret
+    no gather of picked entries around them: the kernels compile for the platform the
+    program is lowered for, though the process's backend is the CPU."""
     cfg = case("csa", FUSED, "model.dtype=bfloat16")
     graph, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     tokens = jnp.zeros((1, 17), jnp.int32)
@@ -108,34 +107,46 @@ def test_a_v4_training_step_through_the_kernels_lowers_for_cuda(monkeypatch):
     assert text.count("xla.gpu.triton") >= 2 * 3 + 3
 
 
-def _decode_step_for_cuda(monkeypatch, name):
-    """(the config, the text of its bfloat16 decode step lowered for CUDA)."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    cfg = case(name, FUSED, "model.dtype=bfloat16", "model.scan_layers=false")
+def _decode_step(name, *overrides, platform="cuda"):
+    """(the config, the text of its bfloat16 decode step lowered for `platform`)."""
+    cfg = case(name, *overrides, "model.dtype=bfloat16", "model.scan_layers=false")
     eng = lower.abstract_engine(cfg)
     cache = jax.eval_shape(lambda: eng.init_cache(2, 64))
     return cfg, generate.decode_program.trace(
         eng.graph, eng.state, jax.ShapeDtypeStruct((2,), jnp.int32), cache).lower(
-        lowering_platforms=("cuda",)).as_text()
+        lowering_platforms=(platform,)).as_text()
+
+
+def test_auto_lowers_kernels_for_a_gpu_and_the_reference_for_a_cpu():
+    """`auto` and the kernels' compile mode follow the platform a program is lowered for,
+    not the process's backend (the CPU here): one decode step has its attention and indexer
+    kernels as Triton calls lowered for CUDA, and neither a kernel nor an interpreted one
+    lowered for the CPU."""
+    cfg, text = _decode_step("csa", "attention.impl=auto", platform="cuda")
+    kernels = re.findall(r'\bname = "([^"]*)", num_stages', text)
+    assert kernels.count("decode_attention") == cfg.model.n_layers
+    assert "indexer_score" in kernels
+    cpu = _decode_step("csa", "attention.impl=auto", platform="cpu")[1]
+    assert "triton" not in cpu and "decode_attention" not in cpu
 
 
 @pytest.mark.parametrize("name", ["csa", "mla", "dsa", pytest.param("v4", marks=pytest.mark.full),
                                   pytest.param("v41", marks=pytest.mark.full)])
-def test_a_decode_step_reads_each_layer_in_one_decode_kernel(monkeypatch, name):
+def test_a_decode_step_reads_each_layer_in_one_decode_kernel(name):
     """A decode step, bfloat16, lowered for CUDA: every layer (a window with its ring, picks
     or every complete entry of a paged cache, MLA's contiguous latents, DSA's picked tokens)
     reads what it attends to in one decode kernel, and no other attention kernel runs."""
-    cfg, text = _decode_step_for_cuda(monkeypatch, name)
+    cfg, text = _decode_step(name, FUSED)
     kernels = re.findall(r'\bname = "([^"]*)", num_stages', text)
     assert len(kernels) == text.count("xla.gpu.triton")  # every kernel named
     assert kernels.count("decode_attention") == cfg.model.n_layers
     assert set(kernels) <= {"decode_attention", "indexer_score"}  # and the indexer's scores
 
 
-def test_an_mha_decode_step_reads_its_head_major_cache_by_dots(monkeypatch):
+def test_an_mha_decode_step_reads_its_head_major_cache_by_dots():
     """MHA's decode step stays with XLA's dots over its head-major cache: no kernel, and no
     transposed copy of the cache [B, G, L, d] as the dense kernel's [B, L, G, d] keys."""
-    cfg, text = _decode_step_for_cuda(monkeypatch, "mha")
+    cfg, text = _decode_step("mha", FUSED)
     assert "xla.gpu.triton" not in text
     a = cfg.attention
     kv_heads = a.n_kv_heads or a.n_heads

@@ -109,6 +109,8 @@ Epilogue = Callable[[jax.Array, jax.Array], jax.Array]
 def attend(read: Read, impl: str, prologue: Prologue | None = None,
            epilogue: Epilogue | None = None):
     """(the layer's output [B, T, ...], the indexer's KL loss or None) of ``read`` through
-    the registered attention implementation ``impl`` (a name `registry.resolve` returned)."""
-    run = registry.load(registry.Op.ATTENTION, impl)
-    return run(read, prologue or (lambda q: q), epilogue or (lambda o, pos: o))
+    the registered attention implementation ``impl`` chooses for the platform the program is
+    lowered for (a `registry.Choice` from `registry.resolve`)."""
+    prologue, epilogue = prologue or (lambda q: q), epilogue or (lambda o, pos: o)
+    return registry.dispatch(impl, lambda name: registry.load(registry.Op.ATTENTION, name)(
+        read, prologue, epilogue))

@@ -214,14 +214,14 @@ def candidate_pool(block_max, n_visible, block: int, n_blocks: int):
 # -- the score pass over the paged global cache, through the configured implementation -----
 # The training forward scores its own sequence's keys by the reference's key blocks (a
 # score kernel reads a paged cache).
-IN_TRAINING = registry.reference(registry.Op.INDEXER_SCORE)
+IN_TRAINING = registry.Choice(registry.reference(registry.Op.INDEXER_SCORE))
 
 
-def resolve_impl(cfg) -> str:
-    """The score pass `indexer.impl` runs as (kernels/registry.py). `auto`: the compiled
-    kernel for the backend (pallas_gpu on GPU, pallas_tpu on TPU) when it reads this key
-    format and fits the config, the XLA path otherwise (CPU). Raises for an explicit kernel
-    that cannot read the configured key format."""
+def resolve_impl(cfg) -> registry.Choice:
+    """The score pass `indexer.impl` runs as (kernels/registry.py). `auto`: in a program
+    lowered for a GPU or TPU, that chip's compiled kernel (pallas_gpu, pallas_tpu) when it
+    reads this key format and fits the config; the XLA path elsewhere (CPU). Raises for an
+    explicit kernel that cannot read the configured key format."""
     return registry.resolve(registry.Op.INDEXER_SCORE, cfg, cfg.indexer.impl,
                             cfg.cache.key_format, "cache.key_format")
 
@@ -232,7 +232,7 @@ def uses_kernel(impl: str) -> bool:
     return registry.load(registry.Op.INDEXER_SCORE, impl) is not None
 
 
-def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool, dtype,
+def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool | None, dtype,
                  block_max: int | None = None):
     """Scores [B, T, max_entries] of queries against every stored search key of a paged
     cache; -inf where the entry is not visible (index >= n_visible [B, T] or >= length).

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dsattn.attention import blocks, indexer, reads
 from dsattn.attention.context import Selection
+from dsattn.kernels import registry
 from dsattn.plan import LayerSpec, Selector
 
 SELECTION = "indexer_selection"  # the name a remat policy saves selections by
@@ -59,7 +60,8 @@ class IndexerSelector(nnx.Module):
         self.index_q = indexer.IndexerQuery(cfg, q_in, rngs)
         self.stride, self.top_k, self.method = spec.stride, a.top_k, ix.topk_method
         self.loss_weight, self.warmup = ix.loss_weight, ix.dense_warmup_steps
-        self.impl, self.interpret = indexer.resolve_impl(cfg), ix.interpret
+        # indexer.interpret: the interpreter everywhere; else by the lowering platform
+        self.impl, self.interpret = indexer.resolve_impl(cfg), True if ix.interpret else None
         self.query_block, self.key_block = a.query_block, ix.key_block
         self.pool_blocks = a.pool_blocks if spec.builds_pool else 0
         self.pool_block = a.pool_block_size
@@ -94,6 +96,11 @@ class IndexerSelector(nnx.Module):
             pool = ctx.pool
             sel, _ = blocks.map_queries(in_pool, self.query_block, (pool.idx, pool.ok, iq, w))
             return checkpoint_name(sel, SELECTION), ctx
+        return registry.dispatch(
+            impl, lambda name: self._scored(store, iq, w, n_vis, ctx, name, dtype))
+
+    def _scored(self, store, iq, w, n_vis, ctx, impl: str, dtype):
+        """`_select` by scoring every visible key with the score pass `impl`."""
         block_max = self.pool_block if self.pool_blocks else None
         if indexer.uses_kernel(impl):  # the compiled score pass over the pages (all of them)
             def scored(iq, w, nv, end=None):

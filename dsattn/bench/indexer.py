@@ -82,8 +82,9 @@ def plan(s: Settings) -> dict:
 
 def _kernel_for(backend: str) -> str:
     """The backend's own score kernel; where there is none (CPU), the GPU one, interpreted."""
-    for wanted in (backend, "gpu"):
-        found = [n for n in KERNELS if registry.get(OP, n).platforms == (wanted,)]
+    for wanted in (backend, "cuda"):
+        found = [n for n in KERNELS if registry.get(OP, n).platforms
+                 and registry.get(OP, n).runs_on(wanted)]
         if found:
             return found[0]
     raise ValueError(f"no indexer score kernel is registered for {backend} or gpu")
@@ -125,7 +126,8 @@ def rows(s: Settings, facts: dict):
         for context in facts["contexts"]:
             inputs = make_inputs(fmt, context, s, rng)
             ref = jax.jit(functools.partial(reference_scores, fmt=fmt))
-            ker = jax.jit(functools.partial(kernel, interpret=facts["interpreted"], fmt=fmt))
+            ker = jax.jit(functools.partial(kernel, interpret=facts["interpreted"] or None,
+                                            fmt=fmt))
             got, want = np.asarray(ker(*inputs)), np.asarray(ref(*inputs))
             fin = np.isfinite(want)
             if not np.array_equal(fin, np.isfinite(got)):

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dsattn.cache import formats, paged
+from dsattn.kernels import platform
 
 DEFAULTS = dict(
     block_k=64,  # entries per step (fewer when a tile would pass tile_bytes)
@@ -410,7 +411,8 @@ def _pow2_floor(n: int) -> int:
 
 def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None = None,
               block_k: int | None = None, splits: int | None = None,
-              head_block: int | None = None, interpret: bool = False, precision=None,
+              head_block: int | None = None, interpret: bool | None = None,
+              precision=None,
               num_warps: int | None = None, num_stages: int | None = None):
     """(out [B, H, value_dim] in q's dtype, lse [B, H]) of one decode step (module
     docstring) by the Pallas kernel. q [B, H, c] at positions q_pos int [B]; ``parts`` a
@@ -490,7 +492,7 @@ def attention(q, q_pos, parts, *, scale: float, sink=None, value_dim: int | None
     acc = jnp.promote_types(q.dtype, jnp.float32)
     plan = _Plan(scale=float(scale), block_k=bk, qpos=0, parts=tuple(plans),
                  precision=precision, acc=acc)
-    out, lse = pl.pallas_call(
+    out, lse = platform.pallas_call(
         functools.partial(_kernel, plan=plan),
         grid=(bsz, first, groups),
         in_specs=specs,

@@ -67,6 +67,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsattn.kernels import platform
+
 
 def _check(q, k, v, q_positions, k_positions, sink, k_valid, window):
     """Shapes of the contract, with a message naming what does not fit."""
@@ -194,7 +196,7 @@ class _Plan:
     dv: tuple
     num_warps: int
     num_stages: int
-    interpret: bool
+    interpret: bool | None
 
 
 def unsupported(q_shape, k_shape, v_shape, *, block_q=None, block_k=None, block_h=None):
@@ -464,7 +466,7 @@ def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
 
 def _call(kernel, p: _Plan, grid, in_specs, out_specs, out_shape, name, *args):
-    return pl.pallas_call(
+    return platform.pallas_call(
         functools.partial(kernel, p=p), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=p.interpret, name=name,
         compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
@@ -564,7 +566,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def attention(q, k, v, *, scale: float, q_positions, k_positions, causal: bool = True,
               window: int | None = None, sink=None, k_valid=None,
-              implementation: Implementation = Implementation.PALLAS, interpret: bool = False,
+              implementation: Implementation = Implementation.PALLAS,
+              interpret: bool | None = None,
               block_q: int | None = None, block_k: int | None = None,
               block_h: int | None = None, num_warps: int | None = None,
               num_stages: int | None = None):

@@ -33,8 +33,10 @@ for efficiency on real TPUs use page_size a multiple of 8 and d a multiple of 12
 pads T up to a multiple of 8 (sublane tile) and slices it back. Kernel formats: "native",
 "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0" (E8M0 scales passed as their uint8 bytes and
 decoded in-kernel as 2^(byte-127); fp4 queries reordered [even | odd] channels to match the
-low/high nibbles); others: use ``reference_scores``. ``interpret=True`` runs the kernel in
-the TPU interpreter (``pltpu.InterpretParams()``), which is how the tests check it on CPU.
+low/high nibbles); others: use ``reference_scores``. In a program lowered for a CPU the
+kernel runs in the Pallas interpreter (kernels/platform.py), which is how the tests check it:
+the generic one, since the TPU interpreter's ordered callbacks would leak into every program
+that traces the kernel beside another platform's path (a `platform_dependent` branch).
 
 The GPU (Triton) variant lives in ``indexer_score_gpu.py``; both kernels share this module's
 input preparation (``kernel_inputs``), in-kernel dequantization (``dequant_dots``), masking
@@ -51,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dsattn.cache import formats
+from dsattn.kernels import platform
 
 KERNEL_FORMATS = tuple(name for name, sp in formats.FORMATS.items() if sp.kernel)
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims, [M, d] x [N, d] -> [M, N]
@@ -221,11 +224,11 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
 
 
 def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
-                     interpret: bool = False, max_entries: int | None = None,
+                     interpret: bool | None = None, max_entries: int | None = None,
                      block_max: int | None = None):
     """Pallas TPU score pass: float32 [B, T, P*page_size] (-inf where invisible), equal to
-    ``reference_scores``; (scores, maxima) with ``block_max``. ``interpret=True`` runs it in
-    the TPU interpreter (CPU tests)."""
+    ``reference_scores``; (scores, maxima) with ``block_max``. ``interpret``: as
+    kernels/platform.py's (None: compiled for a TPU, interpreted for a CPU)."""
     q32, key_arrays = kernel_inputs(q, pages, fmt, "paged_scores_tpu")
     page_table = jnp.asarray(page_table, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
@@ -263,11 +266,11 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         num_scalar_prefetch=2, grid=(B, P), in_specs=in_specs, out_specs=out_specs)
     kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=t8, ps=ps,
                                n_keys=len(key_arrays), block_max=block_max)
-    outs = pl.pallas_call(
+    outs = platform.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
     )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
     outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, t8, -1)[:, :T] for o in outs]
     return truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dsattn.cache import formats
+from dsattn.kernels import platform
 from dsattn.kernels.indexer_score import (block_maxima, check_block_max, dequant_dots,
                                           kernel_inputs, truncate)
 
@@ -80,7 +81,7 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, d, ps, n_sl
 
 
 def paged_scores_gpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
-                     interpret: bool = False, max_entries: int | None = None,
+                     interpret: bool | None = None, max_entries: int | None = None,
                      block_max: int | None = None, block_k: int | None = None,
                      block_t: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None,
@@ -148,7 +149,7 @@ def paged_scores_gpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     params = plgpu.CompilerParams(
         num_warps=DEFAULTS["num_warps"] if num_warps is None else num_warps,
         num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages)
-    outs = pl.pallas_call(
+    outs = platform.pallas_call(
         kernel,
         grid=(B, n_t, n_j),
         in_specs=in_specs,

@@ -7,37 +7,32 @@ training, prefill and decode then runs as a few Pallas programs over the whole s
 no per-block score array and no gathered entries leave a kernel, and a decode step reads
 what it selects from the caches as stored.
 
-On an NVIDIA GPU Triton compiles the kernels. On any other backend the Pallas interpreter
-runs them: exact and slow, which is how the tests check them on a CPU, and why `auto` picks
-this entry only on a GPU (kernels/registry.py).
+A program lowered for an NVIDIA GPU compiles the kernels with Triton; one lowered for the
+CPU runs them in the Pallas interpreter (exact and slow: how the tests check them), whatever
+the process's default backend (kernels/platform.py). `auto` picks this entry for programs
+lowered for a GPU (kernels/registry.py).
 """
 
 from __future__ import annotations
-
-import jax
 
 from dsattn.attention import fused
 from dsattn.kernels import decode_attention, dense_attention, sparse_attention
 
 
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
-
-
 def _dense(q, k, v, **kw):
-    return dense_attention.attention(q, k, v, interpret=_interpret(), **kw)
+    return dense_attention.attention(q, k, v, **kw)
 
 
 def _sparse(q, store, idx, **kw):
-    return sparse_attention.attention(q, store, idx, interpret=_interpret(), **kw)
+    return sparse_attention.attention(q, store, idx, **kw)
 
 
 def _entry_mass(q, store, idx, lse, **kw):
-    return sparse_attention.entry_mass(q, store, idx, lse, interpret=_interpret(), **kw)
+    return sparse_attention.entry_mass(q, store, idx, lse, **kw)
 
 
 def _decode(q, q_pos, parts, **kw):
-    return decode_attention.attention(q, q_pos, parts, interpret=_interpret(), **kw)
+    return decode_attention.attention(q, q_pos, parts, **kw)
 
 
 run = fused.adapter(_dense, _sparse, _entry_mass, _decode)

@@ -4,11 +4,15 @@ compiled on, the cache formats it reads, and its fit checks on a config. Config 
 the layers, the indexer and the benchmarks read this table instead of spelling names.
 
 An entry names its function as "module:attribute", imported when first called, so loading a
-config imports no Pallas code. `resolve(op, cfg)` turns the configured name into the one to
-run: `auto` is the first entry, in table order, that runs compiled on this backend, reads
-the configured format and fits the config (the reference, last, always does); a named entry
-is taken as it is once it exists, reads the format and fits (a kernel may run interpreted
-on a CPU). A kernel plugs in as one `register` call (docs/design.md, "Attention reads").
+config imports no Pallas code. `resolve(op, cfg)` turns the configured name into a `Choice`:
+what runs on each platform a program may be lowered for. `auto` is, per platform, the first
+entry in table order that runs compiled there, reads the configured format and fits the
+config, and the reference (last, always fitting) elsewhere; `dispatch` traces each distinct
+entry once and lowers only the platform's (`jax.lax.platform_dependent`), so a program built
+on a CPU host for a GPU or TPU takes that chip's kernels, never the host's choice. A named
+entry is taken on every platform once it exists, reads the format and fits (a kernel runs
+interpreted where the program is lowered for a CPU: kernels/platform.py). A kernel plugs in
+as one `register` call (docs/design.md, "Attention reads").
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
-from typing import Callable
+from typing import Any, Callable
+
+import jax
 
 AUTO = "auto"
 
@@ -31,9 +37,10 @@ class Op(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One implementation of `op`. ``target``: "module:attribute" of its function (None:
-    the op's inline reference path). ``platforms``: backends it runs compiled on (empty:
-    every). ``formats``: cache formats it reads, or "module:attribute" of that tuple (None:
-    every). ``misfit(cfg)``: why it cannot run a config (a message naming the key) or None."""
+    the op's inline reference path). ``platforms``: jax's lowering platforms it runs
+    compiled on ("cuda", "rocm", "tpu", "cpu"; empty: every). ``formats``: cache formats it
+    reads, or "module:attribute" of that tuple (None: every). ``misfit(cfg)``: why it
+    cannot run a config (a message naming the key) or None."""
 
     op: Op
     name: str
@@ -49,14 +56,44 @@ class Implementation:
     def supported_formats(self) -> tuple[str, ...]:
         return _resolve(self.formats) if isinstance(self.formats, str) else self.formats
 
-    def runs_on(self, backend: str) -> bool:
-        return not self.platforms or backend in self.platforms
+    def runs_on(self, platform: str) -> bool:
+        """Whether it runs compiled on `platform` (jax's lowering platform, or a backend name:
+        "gpu" is CUDA's)."""
+        return not self.platforms or _PLATFORM.get(platform, platform) in self.platforms
 
     def why_not(self, cfg) -> str | None:
         return self.misfit(cfg) if self.misfit is not None else None
 
 
+_PLATFORM = {"gpu": "cuda"}  # jax.default_backend()'s name -> the lowering platform's
+
 _TABLE: dict[Op, dict[str, Implementation]] = {op: {} for op in Op}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What an op runs as in a program lowered for each platform: ``platforms`` pairs
+    (platform, entry name); every other platform runs ``default``."""
+
+    default: str
+    platforms: tuple[tuple[str, str], ...] = ()
+
+    def on(self, platform: str) -> str:
+        """The entry a program lowered for `platform` runs."""
+        return dict(self.platforms).get(_PLATFORM.get(platform, platform), self.default)
+
+    def names(self) -> tuple[str, ...]:
+        """Every entry the choice may run, each once."""
+        return tuple(dict.fromkeys([n for _, n in self.platforms] + [self.default]))
+
+
+def dispatch(choice: Choice, run: Callable[[str], Any]):
+    """`run(name)` for the entry the lowering platform takes: each distinct entry is traced
+    once, and only the lowering platform's is lowered and compiled."""
+    if len(choice.names()) == 1:
+        return run(choice.default)
+    return jax.lax.platform_dependent(default=lambda: run(choice.default),
+                                      **{p: (lambda n=n: run(n)) for p, n in choice.platforms})
 
 
 def register(impl: Implementation) -> Implementation:
@@ -110,19 +147,19 @@ def misfit(op: Op, name: str, cfg) -> str | None:
     return get(op, name).why_not(cfg)
 
 
-def resolve(op: Op, cfg, name: str, fmt: str | None = None, fmt_key: str = "format",
-            backend: str | None = None) -> str:
-    """The implementation `name` (the config's value) runs as, for data in cache format
-    `fmt` (the config's `fmt_key`) on `backend` (default: jax's). Raises for a named one
-    that cannot read `fmt` (NotImplementedError) or does not fit (ValueError)."""
+def resolve(op: Op, cfg, name: str, fmt: str | None = None,
+            fmt_key: str = "format") -> Choice:
+    """What `name` (the config's value) runs as, for data in cache format `fmt` (the config's
+    `fmt_key`): `auto` per platform (module docstring), a named entry everywhere. Raises for a
+    named one that cannot read `fmt` (NotImplementedError) or does not fit (ValueError)."""
     if name == AUTO:
-        import jax
-
-        backend = backend or jax.default_backend()
+        chosen: dict[str, str] = {}
         for n, e in _TABLE[op].items():
-            if e.reference or (e.platforms and e.runs_on(backend) and
-                               (fmt is None or e.reads(fmt)) and e.why_not(cfg) is None):
-                return n
+            if e.reference or (fmt is not None and not e.reads(fmt)) or e.why_not(cfg):
+                continue
+            for platform in e.platforms:
+                chosen.setdefault(platform, n)
+        return Choice(reference(op), tuple(chosen.items()))
     entry = get(op, name)
     if fmt is not None and not entry.reads(fmt):
         raise NotImplementedError(f"{op.value}={name}: it reads data stored as "
@@ -131,7 +168,7 @@ def resolve(op: Op, cfg, name: str, fmt: str | None = None, fmt_key: str = "form
     why = entry.why_not(cfg)
     if why:
         raise ValueError(why)
-    return name
+    return Choice(name)
 
 
 def load(op: Op, name: str) -> Callable | None:
@@ -181,7 +218,7 @@ register(Implementation(Op.INDEXER_SCORE, "pallas_tpu",
                         "dsattn.kernels.indexer_score:paged_scores_tpu", ("tpu",),
                         _KEY_FORMATS, _indexer_kernel_misfit("pallas_tpu")))
 register(Implementation(Op.INDEXER_SCORE, "pallas_gpu",
-                        "dsattn.kernels.indexer_score_gpu:paged_scores_gpu", ("gpu",),
+                        "dsattn.kernels.indexer_score_gpu:paged_scores_gpu", ("cuda",),
                         _KEY_FORMATS, _indexer_kernel_misfit("pallas_gpu")))
 
 # -- attention reads ------------------------------------------------------------------------
@@ -216,4 +253,4 @@ def _fused_reads_misfit(cfg) -> str | None:
 register(Implementation(Op.ATTENTION, "xla", "dsattn.attention.reference:run",
                         reference=True))
 register(Implementation(Op.ATTENTION, "pallas_gpu", "dsattn.kernels.pallas_reads:run",
-                        ("gpu",), misfit=_fused_reads_misfit))
+                        ("cuda",), misfit=_fused_reads_misfit))

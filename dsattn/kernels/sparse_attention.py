@@ -62,6 +62,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsattn.kernels import platform
+
 # block_t: queries per program; block_k: picks per step (FlashMLA's 64); bwd_bytes: bound
 # on one backward chunk's per-pick cotangent rows
 DEFAULTS = dict(block_t=1, block_k=64, num_warps=4, num_stages=2, bwd_bytes=512 << 20)
@@ -158,7 +160,7 @@ class _Plan:
     block_k: int
     n_blocks: int  # pick blocks per query
     chunk: int  # backward: queries per chunk (a multiple of block_t)
-    interpret: bool
+    interpret: bool | None
     precision: object
     num_warps: int
     num_stages: int
@@ -283,7 +285,7 @@ def _per_query(plan, tail):
 
 def _call(plan, kernel, batch, queries, in_specs, outs):
     """pallas_call over (batch row, query block); ``outs``: (per-query tail, dtype) pairs."""
-    return pl.pallas_call(
+    return platform.pallas_call(
         kernel,
         grid=(batch, queries // plan.block_t),
         in_specs=in_specs,
@@ -414,7 +416,7 @@ def _prepare(q, store, idx, *, scale, block_t, block_k, interpret, precision, bw
 
 
 def attention(q, store, idx, *, scale, sink=None, value=None, block_t: int | None = None,
-              block_k: int | None = None, interpret: bool = False, precision=None,
+              block_k: int | None = None, interpret: bool | None = None, precision=None,
               bwd_bytes: int | None = None, num_warps: int | None = None,
               num_stages: int | None = None):
     """(out [B, T, H, dv] in q's dtype, lse [B, T, H] float32) of the selected-entries read
@@ -449,7 +451,7 @@ def attention(q, store, idx, *, scale, sink=None, value=None, block_t: int | Non
 
 
 def entry_mass(q, store, idx, lse, *, scale, block_t: int | None = None,
-               block_k: int | None = None, interpret: bool = False, precision=None,
+               block_k: int | None = None, interpret: bool | None = None, precision=None,
                num_warps: int | None = None, num_stages: int | None = None):
     """The attention probability of each pick summed over heads, float32 [B, T, k] (0 where
     no pick), from the read's saved lse [B, T, H]: a second Pallas pass over the picks (the
