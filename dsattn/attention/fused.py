@@ -33,6 +33,7 @@ from dsattn.attention.attend import Keys, Layout, Read
 from dsattn.attention.local import Window
 from dsattn.cache.paged import PagedCache
 from dsattn.kernels import decode_attention
+from dsattn.kernels import mesh as kernel_mesh
 
 
 def _contract_q(read: Read, q):
@@ -108,7 +109,8 @@ def _decode_parts(read: Read, q):
 
 def adapter(dense, sparse, entry_mass, decode=None):
     """The registry's attention function (`attend.attend` calls it) for kernels of the
-    contract's form (module docstring)."""
+    contract's form (module docstring). On a mesh the kernels run per row shard
+    (kernels/mesh.py); the prologue and epilogue run outside, as XLA partitions them."""
 
     def run(read: Read, prologue, epilogue):
         if read.layout is Layout.GROUPED and read.positions.shape[1] == 1:
@@ -116,12 +118,28 @@ def adapter(dense, sparse, entry_mass, decode=None):
             # where the dense kernel's [B, S, Hk, d] keys would be a transposed copy of it
             return reference.run(read, prologue, epilogue)
         q = _contract_q(read, prologue(read.q))
+
+        def rows(per_row, whole):
+            (read, q), (sink,) = per_row, whole
+            return kernels(read.replace(sink=sink), q)
+
+        out, sums = kernel_mesh.by_rows(rows, q.shape[0], (read.replace(q=None, sink=None), q),
+                                        (read.sink,))
+        y = epilogue(out, read.positions)
+        if read.target is None:
+            return y, None
+        total, count = sums
+        return y, total / jnp.maximum(count, 1)
+
+    def kernels(read: Read, q):
+        """(the read's output [B, T, H, dv] before the epilogue, and with a KL target its
+        (total, count) of KL terms; else ()), every part by a kernel."""
         heads, pos = q.shape[2], read.positions
         parts = None if decode is None else _decode_parts(read, q)
         if parts is not None:
             out, _ = decode(q[:, 0], pos[:, 0], parts, scale=read.scale, sink=read.sink,
                             value_dim=read.value_dim)
-            return epilogue(out[:, None], pos), None
+            return out[:, None], ()
         common = dict(scale=read.scale, q_positions=pos)
         local = []
         for part in read.parts:
@@ -135,8 +153,7 @@ def adapter(dense, sparse, entry_mass, decode=None):
                                    window=part.size, k_valid=part.pos >= 0, **common))
         glob = read.global_read
         if glob is None:
-            out, _ = _merge(local, read.sink)
-            return epilogue(out, pos), None
+            return _merge(local, read.sink)[0], ()
 
         def visible():
             entries, stored = glob.store.read_all("entry", read.dtype)
@@ -171,12 +188,7 @@ def adapter(dense, sparse, entry_mass, decode=None):
             part, sums = picked()
         else:  # the dense warm-up reads every complete entry
             part, sums = jax.lax.cond(glob.selection.dense, visible, picked)
-        out, _ = _merge([part, *local], read.sink)
-        y = epilogue(out, pos)
-        if read.target is None:
-            return y, None
-        total, count = sums
-        return y, total / jnp.maximum(count, 1)
+        return _merge([part, *local], read.sink)[0], sums
 
     return run
 

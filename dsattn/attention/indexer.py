@@ -17,6 +17,7 @@ from flax import nnx
 from dsattn.attention import blocks
 from dsattn.attention.common import shared_scores, softmax_dtype, wide_product
 from dsattn.config import rotates_keys
+from dsattn.kernels import mesh as kernel_mesh
 from dsattn.kernels import registry
 from dsattn.nn import hadamard
 from dsattn.nn.layers import dense
@@ -241,11 +242,15 @@ def paged_scores(q, w, cache, n_visible, impl: str, interpret: bool | None, dtyp
     from dsattn.cache import paged
 
     kernel = registry.load(registry.Op.INDEXER_SCORE, impl)
-    if kernel is not None:
-        pages, table = paged.pool(cache, "key")
-        return kernel(q, w, pages, table, cache.length, n_visible,
-                      cache.fields["key"].fmt, interpret=interpret,
-                      max_entries=cache.max_entries, block_max=block_max)
+    if kernel is not None:  # on a mesh, per row shard over its own pool group
+        def rows(per_row, _):
+            q, w, cache, n_visible = per_row
+            pages, table = paged.pool(cache, "key")
+            return kernel(q, w, pages, table, cache.length, n_visible,
+                          cache.fields["key"].fmt, interpret=interpret,
+                          max_entries=cache.max_entries, block_max=block_max), ()
+
+        return kernel_mesh.by_rows(rows, q.shape[0], (q, w, cache, n_visible))[0]
     keys, stored = paged.read_all(cache, "key", dtype)
     visible = stored[:, None, :] & (jnp.arange(keys.shape[1]) < n_visible[..., None])
     score = jnp.where(visible, scores(q, w, keys), -jnp.inf)

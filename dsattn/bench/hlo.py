@@ -17,11 +17,12 @@ import collections
 import dataclasses
 import re
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")  # a header, unindented
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_KERNEL_NAME = re.compile(r'"(?:name|kernel_name)":"([^"]+)"')
+# a Pallas kernel's name: Triton's MLIR attribute dict, or a JSON backend config
+_KERNEL_NAME = re.compile(r'(?:[{,] name = |"(?:name|kernel_name)": ?)"([^"]+)"')
 _BOOKKEEPING = frozenset((
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
     "call", "after-all", "add-dependency", "partition-id", "replica-id", "opt-barrier",
@@ -50,7 +51,7 @@ def _computations(text: str) -> tuple[dict, str | None]:
     for line in text.splitlines():
         if current is None:
             m = _COMPUTATION.match(line)
-            if m and "=" not in line.split("{")[0]:
+            if m:
                 current = m.group(2)
                 comps[current] = []
                 if m.group(1):

@@ -270,7 +270,7 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        interpret=interpret,
+        interpret=interpret, name="indexer_score",
     )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
     outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, t8, -1)[:, :T] for o in outs]
     return truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)

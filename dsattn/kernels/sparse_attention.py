@@ -283,10 +283,10 @@ def _per_query(plan, tail):
                         lambda b, t: (b, t) + (0,) * len(tail))
 
 
-def _call(plan, kernel, batch, queries, in_specs, outs):
+def _call(plan, kernel, batch, queries, in_specs, outs, name):
     """pallas_call over (batch row, query block); ``outs``: (per-query tail, dtype) pairs."""
     return platform.pallas_call(
-        kernel,
+        kernel, name=name,
         grid=(batch, queries // plan.block_t),
         in_specs=in_specs,
         out_specs=[_per_query(plan, tail) for tail, _ in outs],
@@ -309,8 +309,8 @@ def _forward(plan, q, store, idx, sink, value):
         args.append(value)
     kernel = functools.partial(_fwd_kernel, plan=plan, has_sink=sink is not None,
                                has_value=value is not None)
-    return _call(plan, kernel, b, t, specs,
-                 [((heads, dv), q.dtype), ((heads,), acc)])(*args)
+    return _call(plan, kernel, b, t, specs, [((heads, dv), q.dtype), ((heads,), acc)],
+                 "sparse_attention_fwd")(*args)
 
 
 def _chunk_pad(x, t_pad, fill=0):
@@ -337,7 +337,7 @@ def _backward(plan, res, cts):
         specs.append(pl.no_block_spec)
         outs.append(((kp, dv), acc))
     kernel = functools.partial(_bwd_kernel, plan=plan, has_value=value is not None)
-    call = _call(plan, kernel, b, plan.chunk, specs, outs)
+    call = _call(plan, kernel, b, plan.chunk, specs, outs, "sparse_attention_bwd")
     n_rows = store.shape[0]
 
     def chunk(sums, i):
@@ -472,6 +472,6 @@ def entry_mass(q, store, idx, lse, *, scale, block_t: int | None = None,
     specs = [_per_query(plan, (heads, qp.shape[3])), _per_query(plan, (kp,)),
              _per_query(plan, (heads,)), pl.no_block_spec]
     kernel = functools.partial(_mass_kernel, plan=plan, heads=h)
-    (mass,) = _call(plan, kernel, b, qp.shape[1], specs, [((kp,), lse.dtype)])(qp, idx, lse,
-                                                                              flat)
+    (mass,) = _call(plan, kernel, b, qp.shape[1], specs, [((kp,), lse.dtype)],
+                    "sparse_attention_mass")(qp, idx, lse, flat)
     return mass[:, :t, :k]

@@ -1,0 +1,406 @@
+"""Every preset's programs compiled for a chip that is not here (dsattn.targets), as users
+run them, with what the compiled program says: whether it compiles (or the one-line error),
+compile time, argument / temporary / output bytes, the kernels one run launches (from the
+optimized HLO: dsattn.bench.hlo), a bytes and FLOPs roofline and, on a TPU, XLA's cost model
+where it can be trusted. scripts/aot_check.py writes the rows to docs/bench/aot_<target>.
+
+The programs (`PROGRAMS`), each under `attention.impl=xla indexer.impl=xla` ("xla") and
+under `auto` for both ("kernels": the target's kernels wherever they fit the config; the row
+says which implementation each op resolved to, and why not a kernel):
+
+    train        the real TrainStep (AdamW, bf16 compute over fp32 master weights), 4 x 8192
+    train_long   the same at 1 x 32768
+    prefill      one prefill chunk (generate.PREFILL_CHUNK tokens) over a 32K cache, batch 1
+    decode       one decode step at batch 1, at 32K and at 128K cached tokens
+    decode_max   the decode step at the largest batch whose compiled program fits the chip
+                 (memory at batch 1 and 2, extrapolated, then compiled at that batch)
+    serve        the serving scheduler's programs over 8 rows of a 32K cache: the step that
+                 decodes every row (width 1), a prefill chunk of 64 over one row's sub-batch,
+                 per-row sampling and clearing rows
+
+On a mesh (`mesh=True`: the target's `mesh_topology`) the training step runs FSDP over every
+chip and the decode step splits its rows over them (data), both as dsattn.sharding lays
+them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from dsattn import config, flops, generate, kvbytes, sharding, targets
+from dsattn.bench import hlo
+from dsattn.kernels import registry
+from dsattn.model import Transformer
+from dsattn.trainstep import TrainStep
+
+IMPLS = {"xla": ("attention.impl=xla", "indexer.impl=xla"),
+         "kernels": ("attention.impl=auto", "indexer.impl=auto")}
+CONTEXTS = (32768, 131072)
+SERVE_ROWS, SERVE_CHUNK, SERVE_CONTEXT = 8, 64, 32768
+USABLE = 0.9  # of a chip's memory a program may fill (the runtime keeps the rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One program to compile: `program` of PROGRAMS at `batch` x `length` (tokens of a
+    training row, or cached tokens), for the target's one chip or its mesh."""
+
+    preset: str
+    impl: str
+    program: str
+    batch: int
+    length: int
+    mesh: bool = False
+
+    @property
+    def key(self) -> str:
+        where = "mesh" if self.mesh else "chip"
+        return f"{self.preset}/{self.impl}/{self.program}/{self.batch}x{self.length}/{where}"
+
+
+def preset_config(configs_dir, preset: str, impl: str, *overrides) -> config.Config:
+    return config.load(f"{configs_dir}/{preset}.yaml", [*IMPLS[impl], *overrides])
+
+
+def make_mesh(devices, shape) -> Mesh:
+    """A (data, fsdp, tensor) mesh of `shape` over `devices` (a target's, from a topology)."""
+    n = math.prod(shape)
+    return Mesh(np.array(devices[:n]).reshape(shape), sharding.MESH_AXES,
+                axis_types=(AxisType.Auto,) * 3)
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+# -- the programs --------------------------------------------------------------------------
+def train(cfg, devices, batch: int, seq: int, mesh: bool):
+    """The traced TrainStep.train of `cfg` at batch x seq: FSDP over `devices` on a mesh."""
+    cfg = config.with_values(cfg, {("train", "batch_size"): batch, ("train", "seq_len"): seq,
+                                   ("model", "max_seq_len"): max(cfg.model.max_seq_len, seq)})
+    m = make_mesh(devices, (1, len(devices), 1) if mesh else (1, 1, 1))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(state)
+    step = TrainStep(cfg, graphdef, params, m)
+    opt = jax.eval_shape(step.tx.init, params)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    with step.on_mesh():
+        traced = step.train.trace(params, opt, {"inputs": tokens, "targets": tokens},
+                                  jax.ShapeDtypeStruct((), jnp.int32))
+    tok = batch * seq
+    return traced, {"flops": flops.train_flops_per_token(cfg, seq) * tok, "tokens": tok}
+
+
+def _engine_args(cfg, devices, batch: int, context: int, mesh: bool, pool_tokens=None):
+    """(graph, weights, cache, mesh) as abstract arrays laid out on `devices`."""
+    from dsattn.bench.lower import abstract_engine
+    from dsattn.serve.pool import with_pool
+
+    cfg = config.with_values(cfg, {("model", "max_seq_len"): max(cfg.model.max_seq_len,
+                                                                 context)})
+    eng = abstract_engine(cfg)
+    m = make_mesh(devices, (len(devices), 1, 1) if mesh else (1, 1, 1))
+    shapes = nnx.merge(eng.graph.graphdef, nnx.State(eng.state))
+    groups = sharding.row_shards(m, batch)
+
+    def make():
+        state = shapes.init_cache(batch, context)
+        if pool_tokens is not None:
+            state = with_pool(cfg, state, pool_tokens)
+        return generate.split_pools(state, groups)
+
+    cache = jax.eval_shape(make)
+    weights = _placed(eng.state, sharding.tree_shardings(eng.state, m))
+    cache = _placed(cache, sharding.cache_shardings(eng.units, cache, m))
+    return cfg, eng, weights, cache, m
+
+
+def decode(cfg, devices, batch: int, context: int, mesh: bool):
+    cfg, eng, weights, cache, m = _engine_args(cfg, devices, batch, context, mesh)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                  sharding=sharding.batch_sharding(m, (batch,)))
+    with jax.set_mesh(m):
+        traced = generate.decode_program.trace(eng.graph, weights, tokens, cache)
+    read = kvbytes.report(cfg, context)["read_bytes"]
+    return traced, {"flops": flops.decode_flops_per_token(cfg, context) * batch,
+                    "bytes": eng.weight_bytes + batch * read, "tokens": batch}
+
+
+def prefill(cfg, devices, batch: int, context: int, mesh: bool,
+            chunk: int = generate.PREFILL_CHUNK):
+    cfg, eng, weights, cache, m = _engine_args(cfg, devices, batch, context, mesh)
+    rows = sharding.batch_sharding(m, (batch,))
+    tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32,
+                                  sharding=sharding.batch_sharding(m, (batch, chunk)))
+    n_new = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+    with jax.set_mesh(m):
+        traced = generate.prefill_program.trace(eng.graph, weights, tokens, n_new, cache,
+                                                None, None)
+    return traced, {"flops": flops.decode_flops_per_token(cfg, context) * batch * chunk,
+                    "tokens": batch * chunk}
+
+
+def serve(cfg, devices, rows: int, context: int, mesh: bool):
+    """The scheduler's programs: {name: (traced, facts)} (module docstring)."""
+    from dsattn.serve import programs
+
+    out = {"serve_step": prefill(cfg, devices, rows, context, mesh, chunk=1),
+           "serve_chunk": prefill(cfg, devices, 1, context, mesh, chunk=SERVE_CHUNK)}
+    cfg2, eng, weights, cache, m = _engine_args(cfg, devices, rows, context, mesh)
+    vocab = cfg.model.vocab_size
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+    ints = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    floats = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    with jax.set_mesh(m):
+        out["sample_rows"] = (programs.sample_rows.trace(logits, ints, ints, floats, floats),
+                              {"tokens": rows})
+        blank = _engine_args(cfg, devices, 1, context, False)[3]
+        out["clear_rows"] = (programs.clear_rows.trace(
+            eng.units, cache, jax.ShapeDtypeStruct((rows,), jnp.bool_), blank), {})
+    return out
+
+
+PROGRAMS = ("train", "train_long", "prefill", "decode", "decode_max", "serve")
+
+
+# -- compiling and reading the result --------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    first = next((ln for ln in text if "RESOURCE_EXHAUSTED" in ln or "Error" in ln), text[0])
+    return first[:400]
+
+
+def choices(cfg, platform: str) -> dict:
+    """{op's config key: the implementation a program lowered for `platform` runs, and why
+    not a kernel where the platform has one that does not fit}."""
+    out = {}
+    for op, name, fmt, key in ((registry.Op.ATTENTION, cfg.attention.impl, None, None),
+                               (registry.Op.INDEXER_SCORE, cfg.indexer.impl,
+                                cfg.cache.key_format, "cache.key_format")):
+        chosen = registry.resolve(op, cfg, name, fmt, key or "format").on(platform)
+        entry = {"runs": chosen}
+        if chosen == registry.reference(op) and name == registry.AUTO:
+            for k in registry.kernels(op):
+                e = registry.get(op, k)
+                if e.platforms and e.runs_on(platform):
+                    why = e.why_not(cfg) or (None if fmt is None or e.reads(fmt) else
+                                             f"it does not read {key}={fmt}")
+                    entry["kernel_refused"] = f"{k}: {why}"
+                    break
+        out[op.value] = entry
+    return out
+
+
+def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
+    """Compile `traced` and read the row's figures off the compiled program."""
+    row = {"compiled": False}
+    t0 = time.perf_counter()
+    try:
+        compiled = traced.lower().compile()
+    except Exception as e:  # noqa: BLE001 - a row records any compile failure in one line
+        row.update(error=_one_line(e), compile_s=round(time.perf_counter() - t0, 1))
+        return row
+    row.update(compiled=True, compile_s=round(time.perf_counter() - t0, 1))
+    mem = compiled.memory_analysis()
+    arg, temp = int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes)
+    out, alias = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
+    peak = arg + temp + out - alias
+    row.update(argument_bytes=arg, temp_bytes=temp, output_bytes=out, alias_bytes=alias,
+               peak_bytes=peak, fits=peak <= USABLE * target.memory_bytes)
+    text = compiled.as_text()
+    launches = hlo.launches(text)
+    customs = {k.removeprefix("custom-call "): v for k, v in launches.by_kind.items()
+               if k.startswith("custom-call ")}
+    row["kernels"] = {"per_step": launches.total,
+                      "per_layer": round(launches.per(n_layers), 1),
+                      "fusions": launches.by_kind.get("fusion", 0),
+                      "custom_calls": customs,
+                      "collectives": {k.removeprefix("collective "): v
+                                      for k, v in launches.by_kind.items()
+                                      if k.startswith("collective ")},
+                      "other": {k: v for k, v in launches.by_kind.items()
+                                if k != "fusion" and not k.startswith(("custom-call ",
+                                                                        "collective "))},
+                      "loops": [{"trip_count": n, "kernels_per_trip": k}
+                                for _, n, k in launches.loops]}
+    roof = {}
+    if facts.get("flops"):
+        roof["flops"] = facts["flops"]
+        roof["compute_s"] = facts["flops"] / target.peak_bf16_flops
+    if facts.get("bytes"):
+        roof["bytes"] = facts["bytes"]
+        roof["memory_s"] = facts["bytes"] / target.bandwidth_bytes_per_s
+    if roof:
+        roof["roofline_s"] = max(roof.get("compute_s", 0), roof.get("memory_s", 0))
+        row["roofline"] = roof
+    if target.platform == "tpu":
+        row["cost_model"] = _cost_model(compiled, launches)
+    return row
+
+
+def _cost_model(compiled, launches: hlo.Launches) -> dict:
+    """XLA's TPU cost model, only for a program without loops: it counts a loop's body once
+    whatever its trip count, so with loops its figures are not the program's."""
+    looped = [n for _, n, _ in launches.loops if n != 1]
+    if looped:
+        return {"trusted": False, "why": f"{len(looped)} loops: XLA's cost model counts a "
+                                         f"loop body once (trip counts {sorted(set(map(str, looped)))})"}
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    keep = {k: float(v) for k, v in (cost or {}).items()
+            if k in ("flops", "bytes accessed", "optimal_seconds")}
+    return {"trusted": True, "why": "no loops: the whole program as compiled", **keep}
+
+
+def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
+    """The largest batch whose program fits `usable` bytes, from `peak_at(b)` (compiled peak
+    bytes at batch b): linear through batch 1 and 2, then checked at the estimate and
+    walked down until it fits. None: not even batch 1 fits."""
+    p1, p2 = peak_at(1), peak_at(2)
+    if p1 is None or p1 > usable:
+        return None
+    per_row = max(p2 - p1, 1) if p2 is not None else p1
+    b = max(1, min(cap, int((usable - (p1 - per_row)) // per_row)))
+    while b > 1:
+        p = peak_at(b)
+        if p is not None and p <= usable:
+            return b
+        b = max(1, int(b * 0.9))
+    return 1
+
+
+def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print) -> list:
+    """The report rows of one Spec (decode_max and serve give several)."""
+    cfg = preset_config(configs_dir, spec.preset, spec.impl)
+    base = {"target": target.name, "preset": spec.preset, "impl": spec.impl,
+            "mesh": target.mesh_topology if spec.mesh else "1 chip",
+            "chips": len(devices), "implementations": choices(cfg, target.platform)}
+    n_layers = cfg.model.n_layers
+
+    def row(program, traced_facts, batch, length):
+        with targets.building_for(target):
+            traced, facts = traced_facts() if callable(traced_facts) else traced_facts
+        r = {**base, "program": program, "batch": batch, "length": length,
+             **analyse(traced, facts, target, n_layers)}
+        log(_summary(r))
+        return r
+
+    def built(fn, *args):
+        """Trace under the target (its kernel limits); a trace error is the row's error."""
+        with targets.building_for(target):
+            return fn(*args)
+
+    try:
+        if spec.program in ("train", "train_long"):
+            return [row(spec.program, lambda: built(train, cfg, devices, spec.batch,
+                                                    spec.length, spec.mesh),
+                        spec.batch, spec.length)]
+        if spec.program == "prefill":
+            return [row("prefill", lambda: built(prefill, cfg, devices, spec.batch,
+                                                 spec.length, spec.mesh),
+                        spec.batch, spec.length)]
+        if spec.program == "decode":
+            return [row("decode", lambda: built(decode, cfg, devices, spec.batch, spec.length,
+                                                spec.mesh), spec.batch, spec.length)]
+        if spec.program == "decode_max":
+            found = {}
+
+            def peak_at(b):
+                if b not in found:
+                    found[b] = row("decode_max", lambda: built(
+                        decode, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
+                return found[b].get("peak_bytes")
+
+            b = max_batch(peak_at, USABLE * target.memory_bytes)
+            if b is None:
+                return [{**found[1], "largest_fitting_batch": 0}]
+            return [{**found[b], "largest_fitting_batch": b}]
+        if spec.program == "serve":
+            progs = built(serve, cfg, devices, spec.batch, spec.length, spec.mesh)
+            return [row(name, tf, spec.batch, spec.length) for name, tf in progs.items()]
+    except Exception as e:  # noqa: BLE001 - a trace failure is the row's one-line error
+        r = {**base, "program": spec.program, "batch": spec.batch, "length": spec.length,
+             "compiled": False, "error": _one_line(e)}
+        log(_summary(r))
+        return [r]
+    raise ValueError(f"unknown program {spec.program!r}; known: {', '.join(PROGRAMS)}")
+
+
+def specs(presets, impls, programs, mesh: bool) -> list[Spec]:
+    out = []
+    for preset in presets:
+        for impl in impls:
+            for program in programs:
+                if program == "train":
+                    out.append(Spec(preset, impl, program, 4, 8192, mesh))
+                elif program == "train_long":
+                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
+                elif program == "prefill":
+                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
+                elif program == "decode":
+                    out.extend(Spec(preset, impl, program, 1, c, mesh) for c in CONTEXTS)
+                elif program == "decode_max":
+                    out.extend(Spec(preset, impl, program, 0, c, mesh) for c in CONTEXTS)
+                elif program == "serve":
+                    out.append(Spec(preset, impl, program, SERVE_ROWS, SERVE_CONTEXT, mesh))
+                else:
+                    raise ValueError(f"unknown program {program!r}; known: "
+                                     f"{', '.join(PROGRAMS)}")
+    return out
+
+
+class Report:
+    """A target's rows, by Spec key, kept across runs (a rerun adds or replaces rows)."""
+
+    def __init__(self, rows: dict | None = None):
+        self.rows = rows or {}
+
+    @classmethod
+    def load(cls, path) -> Report:
+        from pathlib import Path
+
+        path = Path(path)
+        return cls(json.loads(path.read_text())["rows"] if path.is_file() else {})
+
+    def has(self, target: str, spec: Spec) -> bool:
+        return f"{target}/{spec.key}" in self.rows
+
+    def put(self, target: str, spec: Spec, rows: list) -> None:
+        self.rows[f"{target}/{spec.key}"] = rows
+
+    def all_rows(self) -> list:
+        return [r for key in sorted(self.rows) for r in self.rows[key]]
+
+    def save(self, out) -> None:
+        """OUT.json (every row) and OUT.txt (a line each), written whole."""
+        from pathlib import Path
+
+        from dsattn.runlog import atomic_write
+
+        out = Path(out)
+        atomic_write(out.with_suffix(".json"),
+                     json.dumps({"rows": self.rows}, indent=1, sort_keys=True) + "\n")
+        atomic_write(out.with_suffix(".txt"),
+                     "\n".join(_summary(r) for r in self.all_rows()) + "\n")
+
+
+def _summary(r: dict) -> str:
+    head = (f"{r['target']} {r['mesh']:>8} {r['preset']:>4} {r['impl']:>7} "
+            f"{r['program']:>11} {r['batch']:>4}x{r['length']:<6}")
+    if not r.get("compiled"):
+        return f"{head} FAILED {r.get('error', '')}"
+    k = r["kernels"]
+    calls = ", ".join(f"{n} x{c}" for n, c in k["custom_calls"].items())
+    return (f"{head} {r['compile_s']:>6.1f}s peak {r['peak_bytes'] / 2**30:7.2f} GiB "
+            f"(temp {r['temp_bytes'] / 2**30:.2f}) kernels {k['per_step']} "
+            f"({k['per_layer']}/layer){'; ' + calls if calls else ''}")

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Compile every preset's programs for a chip that is not here, from this CPU, and report
+what each compiled program holds and launches (dsattn.bench.aot):
+
+    python scripts/aot_check.py --target h100|h200|v5e|v6e|PATH.yaml [--mesh]
+        [--presets mha,mla,dsa,v4,v41] [--impls xla,kernels]
+        [--programs train,train_long,prefill,decode,decode_max,serve]
+        [--configs configs/small] [--out docs/bench/aot_<target>] [--redo]
+
+Needs the `aot` extra (pip install -e ".[aot]": the CUDA plugin with ptxas, and libtpu) in
+its environment; `make aot-venv` makes one in .venv-aot. Rows go to OUT.json (every row,
+kept across runs: a rerun compiles only the rows it lacks, --redo all of them) and OUT.txt
+(one line each). `--mesh` compiles on the target's mesh (8 GPUs in one host; 4 TPU chips)
+instead of one chip: the training step FSDP over every chip, the decode step's rows split
+over them. scripts/device_check.py reads the same rows on a real device and adds timings.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; start no device
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu: no cloud metadata to ask
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsattn import cli, targets  # noqa: E402
+from dsattn.bench import aot  # noqa: E402
+from dsattn.errors import InputError  # noqa: E402
+
+
+def names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv=None):
+    ap = cli.parser(__doc__)
+    ap.add_argument("--target", required=True,
+                    help=f"one of {', '.join(targets.names())}, or a target YAML file")
+    ap.add_argument("--mesh", action="store_true", help="the target's mesh, not one chip")
+    ap.add_argument("--presets", type=names, default=["mha", "mla", "dsa", "v4", "v41"])
+    ap.add_argument("--impls", type=names, default=list(aot.IMPLS))
+    ap.add_argument("--programs", type=names, default=list(aot.PROGRAMS))
+    ap.add_argument("--configs", default=str(ROOT / "configs" / "small"))
+    ap.add_argument("--out", help="report path without suffix (default docs/bench/aot_<target>)")
+    ap.add_argument("--redo", action="store_true", help="compile rows already in the report")
+    args = cli.parse(ap, argv)
+    try:
+        target = targets.load(args.target)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    out = Path(args.out or ROOT / "docs" / "bench" / f"aot_{target.name}")
+    for impl in args.impls:
+        if impl not in aot.IMPLS:
+            raise InputError(f"--impls: {impl!r} is not one of {', '.join(aot.IMPLS)}")
+    specs = aot.specs(args.presets, args.impls, args.programs, args.mesh)
+    report = aot.Report.load(out.with_suffix(".json"))
+    devices = target.devices(mesh=args.mesh)
+    print(f"{target.name}: {target.device} x{len(devices)} ({target.platform}), "
+          f"{len(specs)} programs", flush=True)
+    for spec in specs:
+        if not args.redo and report.has(target.name, spec):
+            continue
+        rows = aot.rows_for(spec, target, devices, args.configs,
+                            log=lambda line: print(line, flush=True))
+        report.put(target.name, spec, rows)
+        report.save(out)
+    print(f"report: {out}.json, {out}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
