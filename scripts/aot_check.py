@@ -4,8 +4,8 @@ what each compiled program holds and launches (dsattn.bench.aot):
 
     python scripts/aot_check.py --target h100|h200|v5e|v6e|PATH.yaml [--mesh]
         [--presets mha,mla,dsa,v4,v41] [--impls xla,kernels]
-        [--programs train,train_long,prefill,decode,decode_max,serve]
-        [--configs configs/small] [--out docs/bench/aot_<target>] [--redo]
+        [--programs train,train_long,prefill,decode,decode_max,serve[,train_max]]
+        [--configs configs/small] [--out docs/bench/aot_<target>] [--redo] [--tiles]
 
 Needs the `aot` extra (pip install -e ".[aot]": the CUDA plugin with ptxas, and libtpu) in
 its environment; `make aot-venv` makes one in .venv-aot. Rows go to OUT.json (every row,
@@ -13,6 +13,8 @@ kept across runs: a rerun compiles only the rows it lacks, --redo all of them) a
 (one line each). `--mesh` compiles on the target's mesh (8 GPUs in one host; 4 TPU chips)
 instead of one chip: the training step FSDP over every chip, the decode step's rows split
 over them. scripts/device_check.py reads the same rows on a real device and adds timings.
+`--tiles` (a GPU target) measures instead the shared memory the training kernels' programs
+ask for at each tile size, beside the model they choose tiles by (OUT.tiles.json).
 """
 
 import json
@@ -42,10 +44,14 @@ def main(argv=None):
     ap.add_argument("--mesh", action="store_true", help="the target's mesh, not one chip")
     ap.add_argument("--presets", type=names, default=["mha", "mla", "dsa", "v4", "v41"])
     ap.add_argument("--impls", type=names, default=list(aot.IMPLS))
-    ap.add_argument("--programs", type=names, default=list(aot.PROGRAMS))
+    ap.add_argument("--programs", type=names, default=list(aot.DEFAULT_PROGRAMS),
+                    help=f"of {', '.join(aot.PROGRAMS)} (default: all but train_max)")
     ap.add_argument("--configs", default=str(ROOT / "configs" / "small"))
     ap.add_argument("--out", help="report path without suffix (default docs/bench/aot_<target>)")
     ap.add_argument("--redo", action="store_true", help="compile rows already in the report")
+    ap.add_argument("--tiles", action="store_true",
+                    help="instead: the shared memory the training kernels ask for at each "
+                         "tile size on this GPU target, beside the kernels' model of it")
     args = cli.parse(ap, argv)
     try:
         target = targets.load(args.target)
@@ -55,6 +61,10 @@ def main(argv=None):
     for impl in args.impls:
         if impl not in aot.IMPLS:
             raise InputError(f"--impls: {impl!r} is not one of {', '.join(aot.IMPLS)}")
+    if args.tiles:
+        rows = aot.tile_requests(target, log=lambda r: print(json.dumps(r), flush=True))
+        out.with_suffix(".tiles.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return 0
     specs = aot.specs(args.presets, args.impls, args.programs, args.mesh)
     report = aot.Report.load(out.with_suffix(".json"))
     devices = target.devices(mesh=args.mesh)

@@ -1,7 +1,8 @@
 """The multi-device checks of tests/test_sharding.py, run in their own process with 8 CPU
 host devices (the rest of the suite sees one): sharded forward, train step, prefill and
-decode against one device, a checkpoint restored onto another mesh shape, and how
-parameters (born split: the sharded init program) and caches are split.
+decode against one device (with the XLA reads, and with the kernels: every Pallas call under
+shard_map), a checkpoint restored onto another mesh shape, and how parameters (born split:
+the sharded init program) and caches are split.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_ENABLE_X64=1 \\
         python tests/sharding_checks.py RUN_DIR
@@ -93,14 +94,15 @@ def forward_checks(out: dict, tokens, meshes: dict, presets=PRESETS):
     out["time/forward"] = time.perf_counter() - T0
 
 
-def decode_checks(out: dict, tokens, decode_meshes=DECODE_MESHES):
+def decode_checks(out: dict, tokens, decode_meshes=DECODE_MESHES, overrides=(),
+                  label="decode"):
     """Sharded prefill + decode steps vs one device for every preset on its mesh
     (DECODE_MESHES), the decode program compiled once per engine, and how a paged cache is
     split on (8, 1, 1)."""
     tokens = np.asarray(tokens)
     lengths = np.array([5, 17, 9, 12, 3, 20, 8, 11])
     for name in decode_meshes:
-        model = Transformer(preset(name, *SMALL), rngs=nnx.Rngs(0))
+        model = Transformer(preset(name, *SMALL, *overrides), rngs=nnx.Rngs(0))
 
         def run(mesh=None):
             eng = generate.Engine(model, mesh)
@@ -116,11 +118,32 @@ def decode_checks(out: dict, tokens, decode_meshes=DECODE_MESHES):
         want, _, _ = run()
         shape = decode_meshes[name]
         got, cache, compiled = run(sharding.make_mesh(preset(name, *mesh_args(shape))))
-        out[f"decode/{name}/{shape}"] = float(np.max(np.abs(got - want)))
-        out[f"decode/{name}/{shape}/compiled"] = compiled
-        if name == "v4":
+        out[f"{label}/{name}/{shape}"] = float(np.max(np.abs(got - want)))
+        out[f"{label}/{name}/{shape}/compiled"] = compiled
+        if name == "v4" and not overrides:
             out.update(paged_split(cache))
-    out["time/decode"] = time.perf_counter() - T0
+    out[f"time/{label}"] = time.perf_counter() - T0
+
+
+# The kernels on a mesh (kernels/mesh.py: every Pallas call under shard_map), interpreted
+# here: decode of each preset on its mesh and a train step with FSDP, against one device.
+KERNELS = ("attention.impl=pallas_gpu", "indexer.impl=pallas_gpu")
+KERNEL_DECODE_MESHES = {"v4": (8, 1, 1), "dsa": (2, 2, 2), "mla": (1, 1, 8)}
+KERNEL_TRAIN = ("v4", (1, 8, 1))
+
+
+def kernel_checks(out: dict, run_root: str, tokens):
+    decode_checks(out, tokens, KERNEL_DECODE_MESHES, KERNELS, label="kernels/decode")
+    name, shape = KERNEL_TRAIN
+    single = Trainer(preset(name, *SMALL, *KERNELS), os.path.join(run_root, "k-single"),
+                     quiet=True)
+    batch = {k: np.asarray(v) for k, v in single.val_batches[0].items()}
+    single.train_step(batch, 0)
+    tr = Trainer(preset(name, *SMALL, *KERNELS, *mesh_args(shape)),
+                 os.path.join(run_root, "k-mesh"), quiet=True)
+    tr.train_step(batch, 0)
+    out[f"kernels/train/{name}/{shape}"] = max_diff(tr.params, host(single.params))
+    out["time/kernels"] = time.perf_counter() - T0
 
 
 def paged_split(state) -> dict:
@@ -290,7 +313,8 @@ def main(run_root: str, small: bool = False):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         parts = [pool.submit(forward_checks, out, tokens, meshes),
                  pool.submit(train_checks, out, run_root, tokens),
-                 pool.submit(decode_checks, out, tokens), pool.submit(init_checks, out)]
+                 pool.submit(decode_checks, out, tokens), pool.submit(init_checks, out),
+                 pool.submit(kernel_checks, out, run_root, tokens)]
     for part in parts:
         part.result()  # re-raises a failed check
     out["time/total"] = time.perf_counter() - T0

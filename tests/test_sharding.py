@@ -156,6 +156,24 @@ def test_sharded_prefill_and_decode_match_one_device(report, name, mesh):
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("name, mesh", [("v4", "(8, 1, 1)"), ("dsa", "(2, 2, 2)"),
+                                        ("mla", "(1, 1, 8)")])
+def test_sharded_decode_through_the_kernels_matches_one_device(report, name, mesh):
+    """The decode kernel and the indexer's score kernel per row shard (shard_map), each
+    device over its own pool group; on (1, 1, 8) no row split, every device all rows."""
+    assert report[f"kernels/decode/{name}/{mesh}"] <= 1e-12
+    assert report[f"kernels/decode/{name}/{mesh}/compiled"] == 1
+
+
+@pytest.mark.full
+def test_sharded_train_step_through_the_kernels_matches_one_device(report):
+    """FSDP over 8 devices with the dense, selected-entries and entry-mass kernels per row
+    shard: the gradients (the sink's summed over every shard's rows) and so the step equal
+    one device's."""
+    assert report["kernels/train/v4/(1, 8, 1)"] <= 1e-11  # parameters after one AdamW step
+
+
+@pytest.mark.full
 def test_paged_cache_rows_and_pages_split_together(report):
     """On (8, 1, 1) a paged cache is one pool group per device: each holds one row's page
     table and its own block of pages, and the ids in its table are local to that block."""

@@ -14,6 +14,8 @@ says which implementation each op resolved to, and why not a kernel):
     decode       one decode step at batch 1, at 32K and at 128K cached tokens
     decode_max   the decode step at the largest batch whose compiled program fits the chip
                  (memory at batch 1 and 2, extrapolated, then compiled at that batch)
+    train_max    the training step at 8192 tokens a row, at the largest batch that fits (as
+                 decode_max; not in the default set: a training compile costs minutes)
     serve        the serving scheduler's programs over 8 rows of a 32K cache: the step that
                  decodes every row (width 1), a prefill chunk of 64 over one row's sub-batch,
                  per-row sampling and clearing rows
@@ -26,8 +28,10 @@ them out.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import re
 import time
 
 import jax
@@ -170,7 +174,8 @@ def serve(cfg, devices, rows: int, context: int, mesh: bool):
     return out
 
 
-PROGRAMS = ("train", "train_long", "prefill", "decode", "decode_max", "serve")
+PROGRAMS = ("train", "train_long", "prefill", "decode", "decode_max", "serve", "train_max")
+DEFAULT_PROGRAMS = PROGRAMS[:-1]
 
 
 # -- compiling and reading the result --------------------------------------------------------
@@ -300,6 +305,16 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
         with targets.building_for(target):
             return fn(*args)
 
+    if (spec.impl == "kernels" and spec.program.startswith("train")
+            and base["implementations"]["attention.impl"]["runs"] == registry.reference(
+                registry.Op.ATTENTION)):
+        # training scores the indexer by XLA (indexer.IN_TRAINING): no kernel is left
+        r = {**base, "program": spec.program, "batch": spec.batch, "length": spec.length,
+             "compiled": None, "same_as": "xla",
+             "why": f"no attention kernel runs on {target.platform} for this config, and "
+                    f"training scores the indexer by XLA: the xla row's program"}
+        log(_summary(r))
+        return [r]
     try:
         if spec.program in ("train", "train_long"):
             return [row(spec.program, lambda: built(train, cfg, devices, spec.batch,
@@ -312,13 +327,14 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
         if spec.program == "decode":
             return [row("decode", lambda: built(decode, cfg, devices, spec.batch, spec.length,
                                                 spec.mesh), spec.batch, spec.length)]
-        if spec.program == "decode_max":
+        if spec.program in ("decode_max", "train_max"):
             found = {}
+            program = decode if spec.program == "decode_max" else train
 
             def peak_at(b):
                 if b not in found:
-                    found[b] = row("decode_max", lambda: built(
-                        decode, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
+                    found[b] = row(spec.program, lambda: built(
+                        program, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
                 return found[b].get("peak_bytes")
 
             b = max_batch(peak_at, USABLE * target.memory_bytes)
@@ -351,11 +367,82 @@ def specs(presets, impls, programs, mesh: bool) -> list[Spec]:
                     out.extend(Spec(preset, impl, program, 1, c, mesh) for c in CONTEXTS)
                 elif program == "decode_max":
                     out.extend(Spec(preset, impl, program, 0, c, mesh) for c in CONTEXTS)
+                elif program == "train_max":
+                    out.append(Spec(preset, impl, program, 0, 8192, mesh))
                 elif program == "serve":
                     out.append(Spec(preset, impl, program, SERVE_ROWS, SERVE_CONTEXT, mesh))
                 else:
                     raise ValueError(f"unknown program {program!r}; known: "
                                      f"{', '.join(PROGRAMS)}")
+    return out
+
+
+# -- the kernels' shared memory, measured ----------------------------------------------------
+def shared_memory_request(target: targets.Target, f, shapes) -> int:
+    """The most shared memory (bytes) any Triton kernel of jit(f) at `shapes` ((shape,
+    dtype) pairs) asks a block for on GPU `target`: compiled for a copy of the target that
+    allows 1 KiB, XLA names the first kernel's request, which the next compile allows, and
+    so on until the program compiles."""
+    limit, request = 1024, 0
+    while True:
+        gpu = {**target.gpu, "shared_memory_per_block_optin": limit,
+               "shared_memory_per_block": min(limit, target.gpu["shared_memory_per_block"])}
+        device = dataclasses.replace(target, gpu=gpu).devices()[0]
+        mesh = Mesh(np.array([device]), ("x",))
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+                for shape, dtype in shapes]
+        try:
+            jax.jit(f).trace(*args).lower().compile()
+            return request
+        except Exception as e:  # noqa: BLE001 - only XLA's shared-memory refusal is expected
+            found = re.search(r"Shared memory size limit exceeded: requested (\d+)", str(e))
+            if not found:
+                raise
+            request = limit = int(found.group(1))
+
+
+def tile_requests(target: targets.Target, log=print) -> list[dict]:
+    """Shared memory the training kernels' programs ask for at each tile size: the dense
+    kernel (forward, dq, dk/dv) per channel of dk + dv at 128 rows, and the selected-entries
+    kernel (forward, backward, entry mass) per its padded heads and entry width: the figures
+    behind the kernels' tile choice (dense_attention.SMEM_PER_KEY_CHANNEL, sparse_attention's
+    smem_bytes)."""
+    from dsattn.kernels import dense_attention as da, sparse_attention as sa
+
+    bf16, out = jnp.bfloat16, []
+    for (dk, dv), bk, st in itertools.product(((64, 64), (128, 128), (256, 256), (288, 256)),
+                                              (64, 32, 16), (2, 1)):
+        def dense(q, k, v):
+            pos = jnp.broadcast_to(jnp.arange(256), (1, 256))
+            def loss(q, k, v):
+                o, l = da.attention(q, k, v, scale=0.1, q_positions=pos, k_positions=pos,
+                                    block_q=64, block_h=2, block_k=bk, num_stages=st)
+                return jnp.sum(o.astype(jnp.float32)) + jnp.sum(l)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+        got = shared_memory_request(target, dense, [((1, 256, 2, dk), bf16),
+                                                    ((1, 256, 1, dk), bf16),
+                                                    ((1, 256, 1, dv), bf16)])
+        out.append({"kernel": "dense", "dk": dk, "dv": dv, "rows": 128, "block_k": bk,
+                    "num_stages": st, "bytes": got, "model": da.smem_bytes(dk + dv, 128, bk, st)})
+        log(out[-1])
+    for heads, width, value, bk, st in itertools.product((12, 64), (256, 288, 576), (False, True),
+                                                         (64, 32, 16), (2, 1)):
+        vd = width - width % 256 if value else None
+        def sparse(q, store, idx, sink):
+            def loss(q, store, sink):
+                o, l = sa.attention(q, store, idx, scale=0.1, sink=sink, block_k=bk,
+                                    num_stages=st, value=None if vd is None else store[..., :vd])
+                m = sa.entry_mass(q, store, idx, l, scale=0.1, block_k=bk, num_stages=st)
+                return jnp.sum(o.astype(jnp.float32)) + jnp.sum(l) + jnp.sum(m)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, store, sink)
+        got = shared_memory_request(target, sparse, [((1, 64, heads, width), bf16),
+                                                     ((1, 512, width), bf16),
+                                                     ((1, 64, 256), jnp.int32),
+                                                     ((heads,), jnp.float32)])
+        out.append({"kernel": "sparse", "heads": heads, "width": width, "value": vd,
+                    "block_k": bk, "num_stages": st, "bytes": got,
+                    "model": sa.smem_bytes(heads, width, vd, bk, st)})
+        log(out[-1])
     return out
 
 
@@ -397,6 +484,8 @@ class Report:
 def _summary(r: dict) -> str:
     head = (f"{r['target']} {r['mesh']:>8} {r['preset']:>4} {r['impl']:>7} "
             f"{r['program']:>11} {r['batch']:>4}x{r['length']:<6}")
+    if r.get("same_as"):
+        return f"{head} = the {r['same_as']} row ({r['why']})"
     if not r.get("compiled"):
         return f"{head} FAILED {r.get('error', '')}"
     k = r["kernels"]

@@ -51,7 +51,10 @@ The kernel (flash attention 2's scheme):
 Block sizes (``DEFAULTS``, not yet tuned on a GPU): block_q = block_k = 64, shrunk to the
 sequence for short reads; block_h = the largest power of two dividing the heads per key head
 with block_q * block_h <= 128 rows (decode and short chunks pack heads instead of positions);
-rows >= 16 because Triton's dot needs 16 in every dim. Dots run in the inputs' dtype with
+rows >= 16 because Triton's dot needs 16 in every dim. Wide heads take smaller tiles: fewer
+stages, then fewer keys, then fewer rows, until a program's shared memory (``smem_bytes``,
+measured on compiled kernels) fits the GPU the program is built for (dsattn.targets: 227 KiB
+a block on an H100 or H200; d = 256 runs 32 keys a step in two stages). Dots run in the inputs' dtype with
 float32 accumulation; float32 inputs on a GPU use Triton's default (TF32) precision, the
 interpreter computes them exactly.
 """
@@ -67,6 +70,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsattn import targets
 from dsattn.kernels import platform
 
 
@@ -154,6 +158,12 @@ class Implementation(enum.Enum):
 
 
 DEFAULTS = dict(block_q=64, block_k=64, max_rows=128, num_stages=2)  # not yet tuned on a GPU
+# Shared memory a program asks for, per channel of dk + dv: about 2 bytes x rows (the q and
+# dO tiles) plus SMEM_PER_KEY_CHANNEL[(block_k, num_stages)] (key and value tiles, staged).
+# Read off Triton compiles for an H100 (the largest request of the forward, dq and dk/dv
+# kernels; head dims 64-288 at 128 rows; `scripts/aot_check.py --tiles` measures them).
+SMEM_PER_KEY_CHANNEL = {(64, 2): 266, (64, 1): 256, (32, 2): 138, (32, 1): 64, (16, 2): 74,
+                        (16, 1): 32}
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _TN = (((0,), (0,)), ((), ()))  # [M, N] x [M, d] -> [N, d]
 _NN = (((1,), (0,)), ((), ()))  # [M, N] x [N, d] -> [M, d]
@@ -225,18 +235,41 @@ def _plan(q, k, v, *, scale, causal, window, has_sink, block_q, block_k, block_h
     B, Tq, H, dk = q.shape
     S, Hk, dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hk
-    bq = min(DEFAULTS["block_q"] if block_q is None else block_q, pl.next_power_of_2(Tq))
-    bk = min(DEFAULTS["block_k"] if block_k is None else block_k,
-             max(16, pl.next_power_of_2(S)))
-    bh = _pow2_divisor(G, max(1, DEFAULTS["max_rows"] // bq)) if block_h is None else block_h
+    bq, bk, max_rows, stages = _fitting_tiles(dk + dv, block_q, block_k, num_stages)
+    bq = min(bq, pl.next_power_of_2(Tq))
+    bk = min(bk, max(16, pl.next_power_of_2(S)))
+    bh = _pow2_divisor(G, max(1, max_rows // bq)) if block_h is None else block_h
     bq = max(bq, -(-16 // bh))  # rows (block_q * block_h) >= 16 for Triton's dot
     if num_warps is None:
         num_warps = 4 if max(dk, dv) <= 64 else 8
     return _Plan(scale=float(scale), causal=causal, window=window, has_sink=has_sink, tq=Tq,
                  s=S, groups=G, block_q=bq, block_k=bk, block_h=bh, dk=_pieces(dk),
-                 dv=_pieces(dv), num_warps=num_warps,
-                 num_stages=DEFAULTS["num_stages"] if num_stages is None else num_stages,
-                 interpret=interpret)
+                 dv=_pieces(dv), num_warps=num_warps, num_stages=stages, interpret=interpret)
+
+
+def smem_bytes(channels: int, rows: int, block_k: int, num_stages: int) -> int:
+    """Shared memory (bytes) a program of the kernels asks for at dk + dv = `channels`."""
+    return channels * (2 * rows + SMEM_PER_KEY_CHANNEL[(block_k, min(num_stages, 2))])
+
+
+def _fitting_tiles(channels: int, block_q, block_k, num_stages) -> tuple[int, int, int, int]:
+    """(block_q, block_k, max_rows, num_stages): `DEFAULTS`' tiles, or the largest smaller
+    ones (fewer stages, then fewer keys, then fewer rows) whose programs fit the shared
+    memory of the GPU the program is built for (dsattn.targets). A size the caller set is
+    kept as it is."""
+    limit = targets.shared_memory()
+    bq = DEFAULTS["block_q"] if block_q is None else block_q
+    keys = (DEFAULTS["block_k"], 32, 16) if block_k is None else (block_k,)
+    stages = (DEFAULTS["num_stages"], 1) if num_stages is None else (num_stages,)
+    rows = DEFAULTS["max_rows"]
+    while rows > 16:
+        for bk in keys:
+            for st in stages:
+                if ((bk, min(st, 2)) not in SMEM_PER_KEY_CHANNEL
+                        or smem_bytes(channels, rows, bk, st) <= limit):
+                    return min(bq, rows), bk, rows, st
+        rows //= 2
+    return min(bq, rows), keys[-1], rows, stages[-1]  # the smallest: the compile will tell
 
 
 def _block_visibility(q_positions, k_positions, k_valid, p: _Plan):
