@@ -6,6 +6,7 @@ never multiples of the 16-wide blocks, so every case also reads partial blocks."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsattn import targets
 from dsattn.kernels import dense_attention as da
 from dsattn.kernels.dense_attention import Implementation
 
@@ -247,3 +249,19 @@ def test_compiled_kernel_equals_the_reference_on_a_gpu():
     got = _read_and_grads(lambda q, k, v, s: da.attention(q, k, v, sink=s, **BLOCKS, **kw),
                           (q, k, v, sink), cts)
     _assert_close(got, want, dict(rtol=1e-2, atol=1e-2))
+
+
+@pytest.mark.parametrize("smem_kib, tiles", [(2048, (64, 64, 128, 2)), (227, (64, 32, 128, 2)),
+                                             (100, (64, 32, 64, 1))])
+def test_tiles_shrink_to_the_gpus_shared_memory(smem_kib, tiles):
+    """d = 256 (dk + dv = 512 channels): an H100's 227 KiB takes 32 keys a step (64 would
+    ask for 257 KiB, as compiled), a roomier GPU the defaults, a smaller one fewer rows; the
+    chosen programs fit by the measured model."""
+    h100 = targets.load("h100")
+    gpu = dataclasses.replace(h100, gpu={**h100.gpu,
+                                         "shared_memory_per_block_optin": smem_kib * 1024})
+    with targets.building_for(gpu):
+        got = da._fitting_tiles(512, None, None, None)
+    assert got == tiles
+    bq, bk, rows, stages = got
+    assert da.smem_bytes(512, rows, bk, stages) <= smem_kib * 1024

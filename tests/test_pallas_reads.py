@@ -4,6 +4,7 @@ Here the Pallas interpreter runs them (Triton compiles them on a GPU): a model t
 (loss, the indexer's KL loss, every gradient; the dense warm-up and the picks) and decodes
 (ragged prefill, decode steps) as the XLA reference does, in float64."""
 
+import dataclasses
 import re
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsattn import config, generate
+from dsattn import config, generate, targets
 from dsattn.bench import lower
 from dsattn.kernels import registry
 from dsattn.model import Transformer
@@ -72,6 +73,22 @@ def test_auto_takes_the_kernels_for_a_gpu_only_where_they_fit():
         "pallas_gpu", "pallas_gpu", "xla", "xla")
     odd = preset("v4", "attention.entry_dim=40")
     assert registry.resolve(OP, odd, "auto") == registry.Choice("xla")
+
+
+def test_heads_past_the_gpus_shared_memory_take_the_xla_reads():
+    """The selected-entries kernel holds every head of a query in one program: 128 heads
+    over 576-wide latents (V3.2's shape) need more shared memory than an H100 block has, so
+    `auto` keeps the XLA reads on a GPU and naming the kernels is a config error saying so;
+    a GPU with room for them (a target built for) takes the kernels."""
+    wide = ("attention.n_heads=128", "attention.kv_lora_rank=512", "attention.qk_rope_dim=64")
+    cfg = preset("dsa", *wide)
+    assert registry.resolve(OP, cfg, "auto").on("cuda") == "xla"
+    with pytest.raises(config.ConfigError, match=r"n_heads=128 over 576-wide.*shared memory"):
+        preset("dsa", *wide, FUSED)
+    roomy = dataclasses.replace(targets.load("h100"), gpu={
+        **targets.load("h100").gpu, "shared_memory_per_block_optin": 2 << 20})
+    with targets.building_for(roomy):
+        assert registry.resolve(OP, cfg, "auto").on("cuda") == "pallas_gpu"
 
 
 @pytest.mark.parametrize("name, overrides, key", [

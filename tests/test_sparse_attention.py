@@ -11,6 +11,7 @@ backward runs in chunks of one query block (bwd_bytes=1). The kernel's jitted fo
 VJP + entry mass is compiled once per variant (`_kernel`) and shared by the tests.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from dsattn.attention import reads, reference
+from dsattn import targets
 from dsattn.kernels import sparse_attention as sa
 
 B, T, H, C, N, K = 2, 5, 3, 24, 7, 20
@@ -278,3 +280,13 @@ def test_bad_inputs_are_refused_with_a_clear_error(bad, message):
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         sa.attention(scale=SCALE, interpret=True, **args)
+
+
+def test_picks_per_step_shrink_to_the_gpus_shared_memory():
+    """An H100's 227 KiB: V4's 256-wide entries take 64 picks a step, DSA's 288-wide latents
+    (padded to 512) 32 (64 asks for 273 KiB, as compiled); a GPU with half the room, 16."""
+    h100 = targets.load("h100")
+    assert (sa.fitting_block_k(12, 256), sa.fitting_block_k(12, 288, 256)) == (64, 32)
+    half = dataclasses.replace(h100, gpu={**h100.gpu, "shared_memory_per_block_optin": 100 << 10})
+    with targets.building_for(half):
+        assert (sa.fitting_block_k(12, 256), sa.fitting_block_k(12, 288, 256)) == (32, 16)

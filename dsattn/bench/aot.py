@@ -214,6 +214,8 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
         compiled = traced.lower().compile()
     except Exception as e:  # noqa: BLE001 - a row records any compile failure in one line
         row.update(error=_one_line(e), compile_s=round(time.perf_counter() - t0, 1))
+        if re.search(r"Ran out of memory|exceeds available HBM", row["error"]):
+            row["fits"] = False  # libtpu refuses a program larger than the chip's memory
         return row
     row.update(compiled=True, compile_s=round(time.perf_counter() - t0, 1))
     mem = compiled.memory_analysis()

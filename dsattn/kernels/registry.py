@@ -247,6 +247,40 @@ def _fused_reads_misfit(cfg) -> str | None:
         if any(d % 16 for d in values):
             return (f"{key}: {', '.join(map(str, values))} must be multiples of 16 for "
                     f"attention.impl=pallas_gpu (Triton tiles)")
+    return _shared_memory_misfit(cfg)
+
+
+def _shared_memory_misfit(cfg) -> str | None:
+    """Why the kernels' smallest tiles would not fit the GPU's shared memory (the program's
+    target, else the smallest GPU target: dsattn.targets), or None. The selected-entries
+    kernel holds every head of a query at once, so many heads over wide entries do not fit."""
+    from dsattn import plan, targets
+    from dsattn.kernels import dense_attention, sparse_attention
+
+    a, limit = cfg.attention, targets.shared_memory()
+    for spec in plan.resolve(cfg):
+        family, picks = spec.kind.family, spec.kind.selector in (plan.Selector.INDEXER,
+                                                                 plan.Selector.REUSE)
+        if family is plan.Family.MHA:
+            channels = 2 * a.head_dim
+        elif family is plan.Family.V4:
+            channels = 2 * a.entry_dim
+        else:
+            channels = 2 * a.kv_lora_rank + a.qk_rope_dim
+        need = dense_attention.smem_bytes(channels, 16, 16, 1)
+        if need > limit:
+            return (f"attention.impl=pallas_gpu: the dense kernel's smallest programs need "
+                    f"{need // 1024} KiB of shared memory at dk + dv = {channels}, more than "
+                    f"the GPU's {limit // 1024} KiB")
+        if picks and family in (plan.Family.V4, plan.Family.DSA):
+            width, value = ((a.entry_dim, None) if family is plan.Family.V4 else
+                            (a.kv_lora_rank + a.qk_rope_dim, a.kv_lora_rank))
+            need = sparse_attention.smem_bytes(a.n_heads, width, value, 16, 1)
+            if need > limit:
+                return (f"attention.n_heads={a.n_heads} over {width}-wide entries: the "
+                        f"selected-entries kernel holds every head of a query in one program "
+                        f"and needs {need // 1024} KiB of shared memory at 16 picks a step, "
+                        f"more than the GPU's {limit // 1024} KiB (attention.impl=pallas_gpu)")
     return None
 
 

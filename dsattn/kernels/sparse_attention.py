@@ -49,7 +49,10 @@ Triton's tiles are powers of two and its dots need every dim >= 16, so the wrapp
 q's and the value's widths to powers of two >= 16 (zeros; a copy of the store only when its
 width c is not a power of two), the picks to a multiple of ``block_k`` (ids -1) and the
 queries to a multiple of ``block_t``; padding is sliced off (and its cotangent dropped).
-``DEFAULTS`` are not tuned on a device yet.
+``DEFAULTS`` are not tuned on a device yet; block_k shrinks (64, 32, 16) until the programs
+fit the shared memory of the GPU the program is built for (``smem_bytes``, measured on
+compiled kernels: DSA's 288-wide latents take 32 picks a step on an H100, V4's 256-wide
+entries 64).
 """
 
 from __future__ import annotations
@@ -62,11 +65,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsattn import targets
 from dsattn.kernels import platform
 
-# block_t: queries per program; block_k: picks per step (FlashMLA's 64); bwd_bytes: bound
-# on one backward chunk's per-pick cotangent rows
+# block_t: queries per program; block_k: picks per step (FlashMLA's 64, fewer where the
+# programs would not fit the GPU's shared memory); bwd_bytes: bound on one backward chunk's
+# per-pick cotangent rows
 DEFAULTS = dict(block_t=1, block_k=64, num_warps=4, num_stages=2, bwd_bytes=512 << 20)
+# Shared memory a program asks for, per channel of the padded entry width, as (c0, c1):
+# c0 + c1 x the padded heads, by block_k: the largest request of the forward, backward and
+# entry-mass kernels (either stage count, with or without a separate value) in Triton
+# compiles for an H100 (heads 12-64, widths 128-1024; `scripts/aot_check.py --tiles`).
+SMEM_PER_WIDTH = {64: (452, 6.04), 32: (45, 10.35), 16: (1, 10.0)}
 
 _NT = (((1,), (1,)), ((), ()))  # [M, d] x [N, d] -> [M, N]
 _NN = (((1,), (0,)), ((), ()))  # [M, d] x [d, N] -> [M, N]
@@ -389,13 +399,31 @@ def _pad_to(x, axis: int, size: int, fill=0):
     return x if size == x.shape[axis] else jnp.pad(x, widths, constant_values=fill)
 
 
+def smem_bytes(heads: int, width: int, value_width: int | None, block_k: int,
+               num_stages: int) -> int:
+    """Shared memory (bytes) a program of the kernels asks for (`SMEM_PER_WIDTH`'s model; the
+    value's width and the stage count stay inside its margin)."""
+    c0, c1 = SMEM_PER_WIDTH[block_k]
+    return int(_tile(width) * (c0 + c1 * _tile(heads)))
+
+
+def fitting_block_k(heads: int, width: int, value_width: int | None = None) -> int:
+    """The most picks per step (`DEFAULTS`' block_k or fewer) whose programs fit the shared
+    memory of the GPU the program is built for (dsattn.targets)."""
+    limit = targets.shared_memory()
+    for bk in (DEFAULTS["block_k"], 32, 16):
+        if smem_bytes(heads, width, value_width, bk, DEFAULTS["num_stages"]) <= limit:
+            return bk
+    return 16  # nothing smaller: the compile will tell
+
+
 def _prepare(q, store, idx, *, scale, block_t, block_k, interpret, precision, bwd_bytes,
              num_warps, num_stages, value_width):
     """(plan, padded q, flattened store, padded idx)."""
     b, t, h, c = q.shape
     n, k = store.shape[1], idx.shape[2]
     bt = DEFAULTS["block_t"] if block_t is None else block_t
-    bk = DEFAULTS["block_k"] if block_k is None else block_k
+    bk = fitting_block_k(h, c, value_width) if block_k is None else block_k
     if bt < 1 or bk < 16 or bk & (bk - 1):
         raise ValueError(f"sparse_attention: block_t={bt} must be >= 1 and block_k={bk} a "
                          f"power of two >= 16 (Triton tiles)")
