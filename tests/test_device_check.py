@@ -150,3 +150,57 @@ def test_each_preset_decodes_under_each_implementation_reference_first(monkeypat
     device.summary(report)  # every row readable
     assert device.Settings.for_backend("gpu", tmp_path).decode_impls == ("xla", "pallas_gpu")
     assert device.Settings.for_backend("cpu", tmp_path).decode_impls == ("xla",)
+
+
+def test_measured_rows_carry_what_the_compile_ahead_predicted(monkeypatch, tmp_path):
+    """On a device scripts/aot_check.py compiled for, each measured row carries that
+    program's compiled row (peak memory, kernels a step, roofline) beside its timings: the
+    one-chip row of the same preset, implementation (pallas_gpu's is `kernels`), batch and
+    length, and nothing where the compile has no such row."""
+    from dsattn.bench import aot
+
+    def row(impl, program, batch, length, per_step):
+        return {"preset": "a", "impl": impl, "program": program, "batch": batch,
+                "length": length, "mesh": "1 chip", "compiled": True, "peak_bytes": 2**30,
+                "temp_bytes": 1, "argument_bytes": 1, "compile_s": 1.0,
+                "roofline": {"roofline_s": 1e-4},
+                "kernels": {"per_step": per_step, "per_layer": per_step / 2}}
+
+    rows = [row("xla", "train", 1, 8, 40), row("kernels", "train", 1, 8, 30),
+            row("kernels", "decode", 1, 16, 20), {**row("xla", "decode", 1, 8, 9),
+                                                   "mesh": "1x1x8"}]
+    monkeypatch.setattr(aot, "compiled_rows", lambda kind, where: rows)
+
+    def train(settings, name, peak, impl="xla"):
+        return {"preset": name, "impl": impl, "dtype": "bfloat16", "batch": 1, "seq_len": 8,
+                "tokens_per_s": 1.0, "model_tflops_per_s": 1.0, "mfu": None,
+                "first_call_s": 1.0}
+
+    def decode(settings, name, bw, impl="xla"):
+        return [{"preset": name, "impl": impl, "context": c, "batch": 1, "step_ms": 1.0,
+                 "roofline_ms": 0.1, "of_roofline": 0.1, "cache_read_bytes": 1,
+                 "weight_bytes": 1} for c in settings.contexts]
+
+    monkeypatch.setattr(device, "train_preset", train)
+    monkeypatch.setattr(device, "decode_preset", decode)
+    monkeypatch.setattr(device, "device_bandwidth", lambda n: 1e9)
+    settings = device.Settings(configs=str(tmp_path), train_presets=("a",), tests=(),
+                               train_impls=("xla", "pallas_gpu"), decode_presets=("a",),
+                               decode_impls=("pallas_gpu", "xla"), contexts=(8, 16),
+                               sweep_presets=(), command_buffers=())
+    report = device.check(settings, tmp_path, log=lambda line: None)
+    assert [r["compiled"]["kernels_per_step"] for r in report["train"]] == [40, 30]
+    assert [(r["impl"], r["context"], (r["compiled"] or {}).get("kernels_per_step"))
+            for r in report["decode"]] == [("pallas_gpu", 8, None), ("pallas_gpu", 16, 20),
+                                           ("xla", 8, None), ("xla", 16, None)]
+    assert "compiled ahead: peak 1.00 GiB, 30 kernels a step" in device.summary(report)
+
+
+def test_compiled_rows_are_found_by_the_devices_kind(tmp_path):
+    from dsattn.bench import aot
+
+    row = {"target": "h200", "mesh": "1 chip", "preset": "a", "impl": "xla",
+           "program": "decode", "batch": 1, "length": 8, "compiled": False, "error": "x"}
+    aot.Report({"h200/a/xla/decode/1x8/chip": [row]}).save(tmp_path / "aot_h200")
+    assert aot.compiled_rows("NVIDIA H200", tmp_path) == [row]
+    assert aot.compiled_rows("NVIDIA H100 80GB HBM3", tmp_path) == []  # no h100 report here

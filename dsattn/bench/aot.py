@@ -448,6 +448,38 @@ def tile_requests(target: targets.Target, log=print) -> list[dict]:
     return out
 
 
+# -- what a real device adds ------------------------------------------------------------------
+IMPL_OF = {"xla": "xla", "pallas_gpu": "kernels", "auto": "kernels"}  # attention.impl -> ours
+
+
+def compiled_rows(device_kind: str, bench_dir) -> list[dict]:
+    """The rows compiled for the target whose device is `device_kind` (a real device's
+    jax device_kind), from bench_dir/aot_<target>.json; [] where none is."""
+    from pathlib import Path
+
+    for name in targets.names():
+        t = targets.load(name)
+        path = Path(bench_dir) / f"aot_{t.name}.json"
+        if t.device == device_kind and path.is_file():
+            return Report.load(path).all_rows()
+    return []
+
+
+def prediction(rows: list[dict], preset: str, impl: str, program: str, batch: int,
+               length: int) -> dict | None:
+    """What the compile said of one program a device check measures (the one-chip row of
+    `preset` under attention.impl=`impl` at batch x length), or None."""
+    for r in rows:
+        if (r["preset"], r["impl"], r["program"], r["batch"], r["length"]) == (
+                preset, IMPL_OF.get(impl, impl), program, batch, length) and \
+                r["mesh"] == "1 chip" and r.get("compiled"):
+            keep = ("peak_bytes", "temp_bytes", "argument_bytes", "compile_s", "roofline")
+            return {**{k: r[k] for k in keep if k in r},
+                    "kernels_per_step": r["kernels"]["per_step"],
+                    "kernels_per_layer": r["kernels"]["per_layer"]}
+    return None
+
+
 class Report:
     """A target's rows, by Spec key, kept across runs (a rerun adds or replaces rows)."""
 

@@ -26,7 +26,7 @@ from flax import nnx
 
 from dsattn import config as config_lib
 from dsattn import flops
-from dsattn.bench import lower, measures, sweep, trace
+from dsattn.bench import aot, lower, measures, sweep, trace
 from dsattn.model import Transformer
 
 # Tests that only a GPU or TPU runs in full (their compiled-kernel cases skip elsewhere).
@@ -271,6 +271,9 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
     report = {"settings": dataclasses.asdict(settings), "environment": environment(),
               "tests": None, "train": [], "decode": [], "command_buffers": [], "sweep": [],
               "skipped": [], "errors": []}
+    # the rows compiled for this chip ahead of time (scripts/aot_check.py): each measured
+    # train and decode row carries its compiled prediction beside the timings
+    compiled = aot.compiled_rows(report["environment"]["device_kind"], root / "docs" / "bench")
     peak = report["environment"]["peak_tflops"]
     took = {}  # seconds the last section of each kind ("train", "decode", ...) took
 
@@ -316,6 +319,8 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
                             and r["context"] == row["context"] and r["impl"] == "xla"), None)
                 if ref and impl != "xla":
                     row["x_reference"] = ref["step_ms"] / row["step_ms"]
+                row["compiled"] = aot.prediction(compiled, name, impl, "decode",
+                                                 row["batch"], row["context"])
             report["decode"].extend(rows or [])
             record()
     on_gpu = jax.default_backend() == "gpu"
@@ -334,6 +339,9 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
                         and r.get("impl", "xla") == "xla"), None)
             if row and ref and impl != "xla":  # the A/B, measured in this run
                 row["x_reference"] = row["tokens_per_s"] / ref["tokens_per_s"]
+            if row:
+                row["compiled"] = aot.prediction(compiled, name, impl, "train", row["batch"],
+                                                 row["seq_len"])
             report["train"].extend([row] if row else [])
             record()
     for name in settings.sweep_presets if bw else ():
@@ -360,6 +368,16 @@ def summary(report: dict) -> str:
         lines.append(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                      f"{t.get('skipped', 0)} skipped ({t['seconds']:.0f} s)"
                      + (f"; failed: {', '.join(t['failed_ids'])}" if t["failed_ids"] else ""))
+    def compiled(r):
+        """The row's compiled prediction, beside its measurement."""
+        c = r.get("compiled")
+        if not c:
+            return ""
+        roof = c.get("roofline", {}).get("roofline_s")
+        return (f" [compiled ahead: peak {c['peak_bytes'] / 2**30:.2f} GiB, "
+                f"{c['kernels_per_step']} kernels a step"
+                + (f", roofline {roof * 1e3:.3f} ms" if roof else "") + "]")
+
     for r in report["train"]:
         mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
         impl = r.get("impl", "xla")
@@ -367,7 +385,7 @@ def summary(report: dict) -> str:
         lines.append(f"train {r['preset']:>4} {impl} ({r['dtype']}, {r['batch']} x "
                      f"{r['seq_len']}): {r['tokens_per_s']:,.0f} tokens/s{vs}, "
                      f"{r['model_tflops_per_s']:.2f} TFLOP/s{mfu}, first step "
-                     f"{r['first_call_s']:.1f} s")
+                     f"{r['first_call_s']:.1f} s" + compiled(r))
     if report.get("bandwidth_bytes_per_s"):
         lines.append(f"bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
     for r in report["decode"]:
@@ -378,7 +396,7 @@ def summary(report: dict) -> str:
                      f"{r['cache_read_bytes'] / 1e6:.2f} MB cache + "
                      f"{r['weight_bytes'] / 1e6:.1f} MB weights)"
                      + (f"; {r['kernel_chain_per_layer']:.1f} dependent kernels a layer at "
-                        f"least" if "kernel_chain" in r else ""))
+                        f"least" if "kernel_chain" in r else "") + compiled(r))
     for r in report.get("command_buffers", []):
         lines.append(f"command buffers {r['variant']:>7}: decode {r['preset']} at "
                      f"{r['context']:,}: {r['step_ms']:.3f} ms/step")
