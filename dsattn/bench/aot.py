@@ -232,6 +232,10 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
                       "per_layer": round(launches.per(n_layers), 1),
                       "fusions": launches.by_kind.get("fusion", 0),
                       "custom_calls": customs,
+                      # every kernel it may launch, in any branch of its conditionals
+                      "custom_call_names": sorted(k.removeprefix("custom-call ")
+                                                  for k in launches.kinds
+                                                  if k.startswith("custom-call ")),
                       "collectives": {k.removeprefix("collective "): v
                                       for k, v in launches.by_kind.items()
                                       if k.startswith("collective ")},
@@ -271,19 +275,23 @@ def _cost_model(compiled, launches: hlo.Launches) -> dict:
 
 def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
     """The largest batch whose program fits `usable` bytes, from `peak_at(b)` (compiled peak
-    bytes at batch b): linear through batch 1 and 2, then checked at the estimate and
-    walked down until it fits. None: not even batch 1 fits."""
+    bytes at batch b, None where it does not compile): linear through batch 1 and 2, checked
+    at that estimate, then bisected down to within 1/32 of it. None: not even batch 1 fits."""
+    fits = lambda b: (p := peak_at(b)) is not None and p <= usable  # noqa: E731
     p1, p2 = peak_at(1), peak_at(2)
     if p1 is None or p1 > usable:
         return None
-    per_row = max(p2 - p1, 1) if p2 is not None else p1
-    b = max(1, min(cap, int((usable - (p1 - per_row)) // per_row)))
-    while b > 1:
-        p = peak_at(b)
-        if p is not None and p <= usable:
-            return b
-        b = max(1, int(b * 0.9))
-    return 1
+    if p2 is None or p2 > usable:
+        return 1
+    per_row = max(p2 - p1, 1)
+    est = max(2, min(cap, int((usable - (p1 - per_row)) // per_row)))
+    if fits(est):
+        return est
+    lo, hi = 2, est  # lo fits, hi does not
+    while hi - lo > max(1, lo // 32):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print) -> list:

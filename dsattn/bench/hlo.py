@@ -35,11 +35,13 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 class Launches:
     """Kernels of one run of a program: ``by_kind`` counts per kind ("fusion", "custom-call
     <name>", "collective <op>", or the op), ``total`` their sum, ``loops`` each while loop
-    reached as (name, trip count or None, the computation's kernels per iteration)."""
+    reached as (name, trip count or None, the computation's kernels per iteration);
+    ``kinds`` every kind the program may launch, in any branch."""
 
     total: int
     by_kind: dict
     loops: list
+    kinds: frozenset = frozenset()
 
     def per(self, n: int) -> float:
         return self.total / max(n, 1)
@@ -63,11 +65,17 @@ def _computations(text: str) -> tuple[dict, str | None]:
     return comps, entry
 
 
-def _kind(op: str, line: str) -> str:
+def _kind(op: str, line: str, instruction: str) -> str:
     if op == "custom-call":
         target = _TARGET.search(line)
+        target = target.group(1) if target else "?"
         name = _KERNEL_NAME.search(line)
-        label = name.group(1) if name else target.group(1) if target else "?"
+        if name:  # Triton's: in its backend config
+            label = name.group(1)
+        elif target == "tpu_custom_call":  # Mosaic's: the instruction's own name
+            label = re.sub(r"\.\d+$", "", instruction)
+        else:
+            label = target
         return f"custom-call {label}"
     if op.startswith(_COLLECTIVES):
         return f"collective {op.removesuffix('-start')}"
@@ -79,7 +87,7 @@ def launches(text: str) -> Launches:
     comps, entry = _computations(text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    loops = []
+    loops, kinds = [], set()
     memo: dict[str, collections.Counter] = {}
 
     def walk(name: str) -> collections.Counter:
@@ -105,6 +113,8 @@ def launches(text: str) -> Launches:
                                       r"false_computation=|, )%?([\w.\-]+)",
                                       line.split("conditional(", 1)[1])
                 options = [walk(b) for b in branches if b in comps]
+                for option in options:
+                    kinds.update(option)
                 if options:
                     counts += max(options, key=lambda c: sum(c.values()))
             elif op == "call":
@@ -112,10 +122,11 @@ def launches(text: str) -> Launches:
                 if called:
                     counts += walk(called.group(1))
             elif op not in _BOOKKEEPING:
-                counts[_kind(op, line)] += 1
+                counts[_kind(op, line, m.group(1))] += 1
+                kinds.add(_kind(op, line, m.group(1)))
         memo[name] = counts
         return counts
 
     counts = walk(entry)
     return Launches(total=sum(counts.values()), by_kind=dict(counts.most_common()),
-                    loops=loops)
+                    loops=loops, kinds=frozenset(kinds))

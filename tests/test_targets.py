@@ -1,0 +1,72 @@
+"""dsattn.targets (the chips compiled for without one) and what scripts/aot_check.py builds on
+them that needs no chip: the largest batch that fits, the program list, the report's rows."""
+
+import pytest
+
+from dsattn import targets
+from dsattn.bench import aot
+
+
+def test_the_four_targets_load_with_their_vendors_figures():
+    assert set(targets.names()) >= {"h100", "h200", "v5e", "v6e"}
+    h100, h200, v5e = targets.load("h100"), targets.load("h200"), targets.load("v5e")
+    assert (h100.platform, v5e.platform) == ("cuda", "tpu")
+    assert h100.shared_memory == h200.shared_memory == 227 * 1024  # Hopper's opt-in block
+    assert h200.memory_bytes > h100.memory_bytes and v5e.shared_memory is None
+    text = h100.gpu_target_config()
+    for field in ("core_count: 132", "shared_memory_per_block_optin: 232448",
+                  "cuda_compute_capability { major: 9 minor: 0 }", 'platform_name: "CUDA"',
+                  f"device_memory_size: {h100.memory_bytes}"):
+        assert field in text
+
+
+def test_a_target_is_added_as_a_file(tmp_path):
+    path = tmp_path / "a100.yaml"
+    base = (targets.DIRECTORY / "h100.yaml").read_text()
+    path.write_text(base.replace("name: h100", "name: a100")
+                    .replace("shared_memory_per_block_optin: 232448",
+                             "shared_memory_per_block_optin: 166912"))
+    a100 = targets.load(str(path))
+    assert a100.name == "a100" and a100.shared_memory == 166912
+    with targets.building_for(a100):
+        assert targets.shared_memory() == 166912
+    assert targets.shared_memory() == 232448  # the smallest of configs/targets/ again
+
+
+@pytest.mark.parametrize("text, message", [("name: x\nplatform: rocm\n", "platform must be"),
+                                           ("name: x\nplatform: cuda\ncolour: 1\n",
+                                            "unknown keys colour")])
+def test_a_bad_target_file_is_refused(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        targets.load(str(path))
+    with pytest.raises(ValueError, match="no target 'tpu9'.*h100"):
+        targets.load("tpu9")
+
+
+def test_the_largest_batch_is_found_from_the_compiled_peaks():
+    """Linear through batch 1 and 2, checked at the estimate, bisected below it; a program
+    whose batch 1 does not fit has no batch, one whose batch 2 does not has batch 1."""
+    compiled = []
+
+    def peak(b):  # 3 GiB fixed, 2 GiB a row, and 1 GiB more past 20 rows
+        compiled.append(b)
+        return (3 + 2 * b + (b > 20)) * 2**30
+
+    assert aot.max_batch(peak, 45 * 2**30) == 20  # 21 rows would take 46 GiB
+    assert compiled == [1, 2, 21, 11, 16, 18, 19, 20]
+    assert aot.max_batch(lambda b: None if b > 1 else 10 * 2**30, 45 * 2**30) == 1
+    assert aot.max_batch(lambda b: 20 * b * 2**30, 45 * 2**30) == 2
+    assert aot.max_batch(lambda b: 50 * 2**30, 45 * 2**30) is None
+
+
+def test_every_program_of_the_report():
+    specs = aot.specs(["v4"], ["xla", "kernels"], aot.DEFAULT_PROGRAMS, mesh=False)
+    by = {(s.impl, s.program, s.batch, s.length) for s in specs}
+    assert ("kernels", "train", 4, 8192) in by and ("xla", "train_long", 1, 32768) in by
+    assert {("xla", "decode", 1, 32768), ("xla", "decode", 1, 131072)} <= by
+    assert ("kernels", "serve", aot.SERVE_ROWS, aot.SERVE_CONTEXT) in by
+    assert len({s.key for s in specs}) == len(specs)
+    with pytest.raises(ValueError, match="unknown program 'fly'"):
+        aot.specs(["v4"], ["xla"], ["fly"], mesh=False)
