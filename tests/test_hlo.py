@@ -68,6 +68,7 @@ def test_counts_every_kernel_of_one_run_by_hand():
     assert got.total == 2 + 12 * 6
     assert got.loops == [("w", 12, 6)]
     assert "fusion" in got.kinds and "custom-call indexer_score" in got.kinds
+    assert got.fusions == {"f": 1, "y": 12, "a": 12, "b": 12}  # by instruction name
     assert got.per(4) == pytest.approx(got.total / 4)
 
 

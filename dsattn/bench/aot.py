@@ -231,6 +231,7 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
     row["kernels"] = {"per_step": launches.total,
                       "per_layer": round(launches.per(n_layers), 1),
                       "fusions": launches.by_kind.get("fusion", 0),
+                      "fusion_names": dict(list(launches.fusions.items())[:12]),
                       "custom_calls": customs,
                       # every kernel it may launch, in any branch of its conditionals
                       "custom_call_names": sorted(k.removeprefix("custom-call ")

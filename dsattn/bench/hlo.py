@@ -36,12 +36,14 @@ class Launches:
     """Kernels of one run of a program: ``by_kind`` counts per kind ("fusion", "custom-call
     <name>", "collective <op>", or the op), ``total`` their sum, ``loops`` each while loop
     reached as (name, trip count or None, the computation's kernels per iteration);
-    ``kinds`` every kind the program may launch, in any branch."""
+    ``kinds`` every kind the program may launch, in any branch; ``fusions`` the fusions by
+    XLA's name for them ("loop_multiply_fusion", "input_reduce_fusion", ...)."""
 
     total: int
     by_kind: dict
     loops: list
     kinds: frozenset = frozenset()
+    fusions: dict = dataclasses.field(default_factory=dict)
 
     def per(self, n: int) -> float:
         return self.total / max(n, 1)
@@ -82,6 +84,11 @@ def _kind(op: str, line: str, instruction: str) -> str:
     return op
 
 
+def _kernels(counts) -> int:
+    """The kernels of a count (its fusions' names are a breakdown of its fusions)."""
+    return sum(v for k, v in counts.items() if not k.startswith("fusion: "))
+
+
 def launches(text: str) -> Launches:
     """The kernels one run of the program in HLO `text` launches (module docstring)."""
     comps, entry = _computations(text)
@@ -105,7 +112,7 @@ def launches(text: str) -> Launches:
                 trip = _TRIP.search(line)
                 n = int(trip.group(1)) if trip else None
                 inner = walk(body) + walk(cond)
-                loops.append((m.group(1), n, sum(inner.values())))
+                loops.append((m.group(1), n, _kernels(inner)))
                 for k, v in inner.items():
                     counts[k] += v * (n or 1)
             elif op == "conditional":
@@ -116,17 +123,24 @@ def launches(text: str) -> Launches:
                 for option in options:
                     kinds.update(option)
                 if options:
-                    counts += max(options, key=lambda c: sum(c.values()))
+                    counts += max(options, key=_kernels)
             elif op == "call":
                 called = re.search(r"to_apply=%?([\w.\-]+)", line)
                 if called:
                     counts += walk(called.group(1))
             elif op not in _BOOKKEEPING:
-                counts[_kind(op, line, m.group(1))] += 1
-                kinds.add(_kind(op, line, m.group(1)))
+                kind = _kind(op, line, m.group(1))
+                counts[kind] += 1
+                kinds.add(kind)
+                if op == "fusion":  # what it fuses, by XLA's name for it
+                    counts["fusion: " + re.sub(r"[.\d]+$", "", m.group(1))] += 1
         memo[name] = counts
         return counts
 
     counts = walk(entry)
-    return Launches(total=sum(counts.values()), by_kind=dict(counts.most_common()),
-                    loops=loops, kinds=frozenset(kinds))
+    names = collections.Counter({k.removeprefix("fusion: "): v for k, v in counts.items()
+                                 if k.startswith("fusion: ")})
+    kernels = collections.Counter({k: v for k, v in counts.items()
+                                   if not k.startswith("fusion: ")})
+    return Launches(total=sum(kernels.values()), by_kind=dict(kernels.most_common()),
+                    loops=loops, kinds=frozenset(kinds), fusions=dict(names.most_common()))
