@@ -8,8 +8,9 @@ import pytest
 from dsattn.bench import hlo
 
 # An entry that runs a fusion, a Triton kernel (named in its MLIR backend config) and a loop of
-# 12 trips holding a fusion, a Mosaic kernel (named by its instruction), an all-reduce and a
-# conditional whose larger branch holds two fusions; the loop's condition holds one compare.
+# 12 trips holding a fusion, a Mosaic kernel (named by its instruction), an all-reduce, a
+# compare and a conditional whose larger branch (true) holds two fusions; the loop's
+# condition holds one more compare.
 TEXT = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 
 %fused_computation (param_0: f32[4]) -> f32[4] {
@@ -35,7 +36,8 @@ TEXT = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
   %y = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation
   %indexer_score.4 = f32[4]{0} custom-call(%y), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"TUzvUgFN"}}
   %r = f32[4]{0} all-reduce(%indexer_score.4), replica_groups={}, to_apply=%fused_computation
-  %c = f32[4]{0} conditional(%i, %r, %r), branch_computations={%small, %large}
+  %p = pred[] compare(%i, %i), direction=EQ
+  %c = f32[4]{0} conditional(%p, %r, %r), true_computation=%large, false_computation=%small
   ROOT %o = (s32[], f32[4]{0}) tuple(%i, %c)
 }
 
@@ -64,9 +66,9 @@ def test_counts_every_kernel_of_one_run_by_hand():
     # the larger branch's two fusions, and the condition's compare
     assert got.by_kind == {"fusion": 1 + 12 * 3, "custom-call decode_attention": 1,
                            "custom-call indexer_score": 12, "collective all-reduce": 12,
-                           "compare": 12}
-    assert got.total == 2 + 12 * 6
-    assert got.loops == [("w", 12, 6)]
+                           "compare": 24}
+    assert got.total == 2 + 12 * 7
+    assert got.loops == [("w", 12, 7)]
     assert "fusion" in got.kinds and "custom-call indexer_score" in got.kinds
     assert got.fusions == {"f": 1, "y": 12, "a": 12, "b": 12}  # by instruction name
     assert got.per(4) == pytest.approx(got.total / 4)

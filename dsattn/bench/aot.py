@@ -216,6 +216,11 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
         row.update(error=_one_line(e), compile_s=round(time.perf_counter() - t0, 1))
         if re.search(r"Ran out of memory|exceeds available HBM", row["error"]):
             row["fits"] = False  # libtpu refuses a program larger than the chip's memory
+            asked = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\)",
+                              row["error"])
+            if asked:  # what it asked for, for the search of the largest batch
+                row["asked_bytes"] = int(float(asked.group(1)) * 1024 ** " KMGT".index(
+                    asked.group(2)))
         return row
     row.update(compiled=True, compile_s=round(time.perf_counter() - t0, 1))
     mem = compiled.memory_analysis()
@@ -276,22 +281,32 @@ def _cost_model(compiled, launches: hlo.Launches) -> dict:
 
 def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
     """The largest batch whose program fits `usable` bytes, from `peak_at(b)` (compiled peak
-    bytes at batch b, None where it does not compile): linear through batch 1 and 2, checked
-    at that estimate, then bisected down to within 1/32 of it. None: not even batch 1 fits."""
-    fits = lambda b: (p := peak_at(b)) is not None and p <= usable  # noqa: E731
+    bytes at batch b; for a program refused for its size, what it asked for; None where
+    nothing is known): linear through batch 1 and 2, checked at that estimate, then
+    narrowed to within 1/32 between the largest that fits and the smallest that does not,
+    by the line through them (a TPU pads small batches, so batch 1 and 2 may weigh the
+    same), else halfway. None: not even batch 1 fits."""
     p1, p2 = peak_at(1), peak_at(2)
     if p1 is None or p1 > usable:
         return None
     if p2 is None or p2 > usable:
         return 1
     per_row = max(p2 - p1, 1)
-    est = max(2, min(cap, int((usable - (p1 - per_row)) // per_row)))
-    if fits(est):
-        return est
-    lo, hi = 2, est  # lo fits, hi does not
+    lo, p_lo = 2, p2  # fits
+    hi = max(2, min(cap, int((usable - (p1 - per_row)) // per_row)))
+    p_hi = peak_at(hi)
+    if p_hi is not None and p_hi <= usable:
+        return hi
     while hi - lo > max(1, lo // 32):
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if p_hi is not None and p_hi > p_lo:  # where the line through both meets `usable`
+            mid = lo + int((usable - p_lo) * (hi - lo) / (p_hi - p_lo))
+        mid = min(max(mid, lo + 1), hi - 1)
+        p = peak_at(mid)
+        if p is not None and p <= usable:
+            lo, p_lo = mid, p
+        else:
+            hi, p_hi = mid, p
     return lo
 
 
@@ -346,7 +361,7 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
                 if b not in found:
                     found[b] = row(spec.program, lambda: built(
                         program, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
-                return found[b].get("peak_bytes")
+                return found[b].get("peak_bytes", found[b].get("asked_bytes"))
 
             b = max_batch(peak_at, USABLE * target.memory_bytes)
             if b is None:

@@ -117,7 +117,7 @@ def launches(text: str) -> Launches:
                     counts[k] += v * (n or 1)
             elif op == "conditional":
                 branches = re.findall(r"(?:branch_computations=\{|true_computation=|"
-                                      r"false_computation=|, )%?([\w.\-]+)",
+                                      r"false_computation=|, )%([\w.\-]+)",
                                       line.split("conditional(", 1)[1])
                 options = [walk(b) for b in branches if b in comps]
                 for option in options:
