@@ -31,6 +31,7 @@ FORMAT = "dsattn-tokens"
 VERSION = 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}  # meta.json's name -> the bytes on disk
+VERIFIED_FILE = ".verified.json"  # shards whose sha256 was checked (see `verify`)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -114,12 +115,41 @@ class Writer:
             self.abort()
 
 
-def check_output(out: Path, force: bool) -> None:
-    """Refuse to replace a file, or a non-empty directory unless forced."""
+def check_output(out: Path, force: bool, inputs=()) -> None:
+    """Refuse to replace a file, or a non-empty directory unless forced. `force` replaces
+    only a token directory holding nothing else and none of the `inputs` (resolved paths):
+    the old directory is removed whole, and once that took the very inputs with it."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise InputError(f"{out} exists and is not empty; --force replaces it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    root = out.resolve()
+    inside = [p for p in inputs if Path(p).is_relative_to(root)]
+    if inside:
+        raise InputError(f"input {inside[0]} lies inside the output directory {out}, which "
+                         f"--force would remove; write the token directory elsewhere (-o)")
+    other = _not_token_dir_entry(out)
+    if other is not None:
+        raise InputError(f"{out} is not a token directory ({other}); --force replaces only a "
+                         f"token directory of prepare_data.py or an empty directory: choose "
+                         f"another -o, or empty it yourself")
+    if not force:
+        raise InputError(f"{out} is a token directory; --force replaces it")
+
+
+def _not_token_dir_entry(path: Path) -> str | None:
+    """Why `path` is not a token directory (its meta.json, or an entry that none of
+    prepare_data.py's files are), or None: its entries are all a token directory's."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        ours = {META_FILE, VERIFIED_FILE, meta["tokenizer"]}
+        ours |= {s["file"] for shards in meta["splits"].values() for s in shards}
+        if meta["format"] != FORMAT:
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # any other meta.json
+        return f"no {META_FILE} of prepare_data.py"
+    other = sorted(p.name for p in path.iterdir() if p.name not in ours or not p.is_file())
+    return f"it holds {other[0]}" if other else None
 
 
 # ----------------------------------------------------------------------------- reading

@@ -17,7 +17,8 @@ tokenizer and train/val shards of token ids (uint16 when the vocab fits, else ui
 document followed by the --eos token (added to a loaded tokenizer that lacks it). Documents go
 to validation by a stable hash of their name, --val-fraction of them; a validation document
 whose text (by content hash) is also a training document's is counted in a warning. DIR appears only once
-complete; an existing non-empty DIR needs --force. Then:
+complete; --force replaces an existing token directory (one holding only what this script
+writes and none of the INPUTs), never any other non-empty DIR. Then:
 
     python scripts/train.py configs/tiny/v41.yaml data.source=DIR data.max_bytes=0
 
@@ -55,7 +56,8 @@ def parser():
                     help="fraction of documents for validation (default 0.05)")
     ap.add_argument("--eos", default="<|endoftext|>", metavar="TOKEN",
                     help="the separator token after each document (default <|endoftext|>)")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an existing token directory (never another non-empty one)")
     ds = ap.add_argument_group("Hugging Face datasets (optional package)")
     ds.add_argument("--dataset", default=None, metavar="NAME",
                     help="read this datasets dataset (hub name or local path) instead of INPUTs")
@@ -163,12 +165,13 @@ def main(argv=None):
     from dsattn import data, tokendir, tokenizer
     from dsattn.errors import InputError
 
-    tokendir.check_output(args.out, args.force)  # before any work
     if args.dataset:
         documents, what = (lambda: dataset_documents(args)), f"--dataset {args.dataset}"
+        paths = []
     else:
         paths = match_inputs(args.inputs)
         documents, what = (lambda: file_documents(paths, args.docs)), " ".join(args.inputs)
+    tokendir.check_output(args.out, args.force, paths)  # before any work
 
     # Pass 1: the documents' names (the split), their content hashes and, unless given, the
     # tokenizer.

@@ -213,9 +213,61 @@ def test_prepare_errors_are_one_line_and_write_nothing(prepared, tmp_path, capsy
         assert status == 1 and len(err) == 1 and needle in err[0], (argv, err)
         _assert_nothing_written(tmp_path, {"empty", "bad.json", "full"})
         assert [p.name for p in full.iterdir()] == ["keep.txt"]
-    prepare(capsys, src / "*.txt", "-o", full, "--vocab-size", "300", "--force")
-    assert (full / "meta.json").exists() and not (full / "keep.txt").exists()
-    _assert_nothing_written(tmp_path, {"empty", "bad.json", "full"})
+    empty_dir = tmp_path / "empty_dir"  # --force fills an empty directory
+    empty_dir.mkdir()
+    prepare(capsys, src / "*.txt", "-o", empty_dir, "--vocab-size", "300", "--force")
+    assert (empty_dir / "meta.json").exists()
+    _assert_nothing_written(tmp_path, {"empty", "bad.json", "full", "empty_dir"})
+
+
+def _tree(root: Path) -> dict:
+    """{relative path: bytes} of every file under root."""
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_force_replaces_only_a_token_directory(prepared, tmp_path, capsys):
+    """--force once removed whatever -o named: here the very inputs. It replaces only a token
+    directory (or an empty one); anything else is refused in one line, nothing touched."""
+    src, out = prepared
+    v = tmp_path / "V"  # the issue's repro: the inputs inside the output directory
+    (v / "sub").mkdir(parents=True)
+    for i, d in enumerate(DOCS[:4]):
+        (v / f"n{i}.md").write_text(d, encoding="utf-8")
+    (v / "a.txt").write_text("not an input, still mine")
+    (v / "sub" / "NOTES.md").write_text("keep")
+    before = _tree(v)
+    mine = tmp_path / "mine"  # not a token directory, no input in it
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"title": "a meta.json of something else"}')
+    for argv, needle in [([v / "*.md", "-o", v], "inside the output directory"),
+                         ([src / "*.txt", "-o", v], "not a token directory"),
+                         ([src / "*.txt", "-o", mine], "not a token directory")]:
+        status, _, err = run_main(prepare_data.main, [*argv, "--force", "--vocab-size", "300"],
+                                  capsys)
+        assert status == 1 and len(err) == 1 and needle in err[0] and "--force" in err[0], err
+        assert _tree(v) == before
+        assert {p.name for p in tmp_path.iterdir()} == {"V", "mine"}  # no temporary left
+    # a token directory holding an input: replacing it would remove that input
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for p in out.iterdir():
+        (tok / p.name).write_bytes(p.read_bytes())
+    (tok / "extra.txt").write_text(DOCS[0], encoding="utf-8")
+    kept = _tree(tok)
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", tok / "extra.txt", "-o", tok,
+                                                  "--force", "--vocab-size", "300"], capsys)
+    assert status == 1 and len(err) == 1 and "extra.txt lies inside" in err[0], err
+    assert _tree(tok) == kept
+    status, _, err = run_main(prepare_data.main, [src / "*.txt", "-o", tok, "--force",
+                                                  "--vocab-size", "300"], capsys)
+    assert status == 1 and len(err) == 1 and "holds extra.txt" in err[0], err  # not ours
+    assert _tree(tok) == kept
+    # a token directory of prepare_data.py is replaced
+    (tok / "extra.txt").unlink()
+    prepare(capsys, src / "*.txt", "-o", tok, "--vocab-size", "300", "--force",
+            "--val-fraction", "0.5")
+    assert json.loads((tok / "meta.json").read_text())["val_fraction"] == 0.5  # out's: 0.3
 
 
 # ----------------------------------------------------------------- 2. data.source=DIR
