@@ -10,7 +10,8 @@ holds whole documents; train and validation are split by document. meta.json lis
 split's shards in order with their tokens, bytes, sha256 and documents. `read` checks the
 fields and every shard's size against them (cheap, so on every load; the sha256 is there for
 a full check) and memory-maps the shards. `Writer` fills a temporary sibling directory and
-renames it into place at the end: a failed or interrupted run leaves nothing half-done.
+renames it into place at the end: a failed or interrupted run leaves nothing half-done (a
+killed one's temporary directory is removed by the next Writer of the same directory).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -55,7 +57,7 @@ class Writer:
         self.dtype = token_dtype(vocab_size)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)  # a leftover of this pid's crash
+        _remove_stale(self.out)
         self.tmp.mkdir()
         self.shards = {s: {"file": f"{s}_000.bin", "tokens": 0, "bytes": 0, "documents": 0}
                        for s in SPLITS}
@@ -113,6 +115,26 @@ class Writer:
     def __exit__(self, exc_type, *_):
         if exc_type is not None:
             self.abort()
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove the temporary directories beside `out` of Writers whose process is gone (a
+    SIGKILL runs no cleanup, so nothing else ever would), this pid's leftover included. One
+    whose pid is alive is a run still writing: it stays."""
+    for tmp in out.parent.iterdir():
+        m = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp-(\d+)", tmp.name)
+        if m and (int(m[1]) == os.getpid() or not _alive(int(m[1]))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_output(out: Path, force: bool, inputs=()) -> None:

@@ -494,3 +494,34 @@ def test_identical_documents_on_both_sides_of_the_split_are_counted(tmp_path, ca
                                                   "--vocab-size", "300", "--val-fraction",
                                                   "0.3"], capsys)
     assert status == 0 and not [e for e in err if "identical" in e]
+
+
+def test_a_later_run_removes_the_temporaries_of_killed_runs_only(prepared, tmp_path):
+    """A prepare_data.py killed by SIGKILL leaves its .tok.tmp-<pid> of partial shards; the
+    next run into the same directory removes it, but never one whose process still runs."""
+    src, out = prepared
+    killed = subprocess.Popen(  # killed for real, at its first document's write
+        [sys.executable, "-c", "import os, runpy, signal, sys; from dsattn import tokendir; "
+         "tokendir.Writer.add = lambda *a: os.kill(os.getpid(), signal.SIGKILL); "
+         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+         str(ROOT / "scripts" / "prepare_data.py"), str(src / "*.txt"), "-o",
+         str(tmp_path / "tok"), "--tokenizer", str(out / "tokenizer.json")],
+        stderr=subprocess.PIPE, cwd=ROOT)
+    assert killed.wait(timeout=120) == -9, killed.stderr.read().decode()
+    (stale,) = tmp_path.iterdir()
+    assert stale.name == f".tok.tmp-{killed.pid}" and (stale / "train_000.bin").exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        running = tmp_path / f".tok.tmp-{alive.pid}"  # a run still writing
+        running.mkdir()
+        (running / "train_000.bin").write_bytes(b"\0\0")
+        other = tmp_path / f".other.tmp-{killed.pid}"  # another output's: not ours to judge
+        other.mkdir()
+        p = script("prepare_data", src / "*.txt", "-o", tmp_path / "tok", "--tokenizer",
+                   out / "tokenizer.json")
+        assert p.returncode == 0, p.stderr.decode()
+        assert {q.name for q in tmp_path.iterdir()} == {"tok", running.name, other.name}
+        assert (running / "train_000.bin").read_bytes() == b"\0\0"
+    finally:
+        alive.kill()
+        alive.wait()
