@@ -17,7 +17,7 @@ import time
 import warnings
 from pathlib import Path
 
-from dsattn import checkpoint, runlog, tblog
+from dsattn import checkpoint, runlog, tblog, tokenizer
 from dsattn.config import Config, Kind, keys_of, with_values
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked
 from dsattn.tokenizer import TOKENIZER_FILE
@@ -81,7 +81,10 @@ class RunDir:
         """Resuming at `step` with values the saved config.yaml does not have: warns naming
         changed schedule values (the schedule is rebuilt for them) and changed
         Kind.DATA_ORDER values, and returns the latter as {key: [old, new]} (`strict`:
-        ConfigError instead)."""
+        ConfigError instead). A data source of another tokenizer than the one the run keeps
+        is refused (InputError), strict or not."""
+        # its ids mean other strings, and `start` would replace the run's copy of its tokenizer
+        tokenizer.check_run_data(self.path, self.cfg.data.source, f"resumed at step {step}")
         old, now = self.saved_config or {}, self.cfg.to_dict()
         changes = lambda kind: {(sec, key): (old[sec][key], now[sec][key])  # noqa: E731
                                 for sec, key in keys_of(kind)

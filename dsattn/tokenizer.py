@@ -9,6 +9,7 @@ evaluation read text the way training did. Both tokenizers offer `vocab_size`, `
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Iterable
 
@@ -157,4 +158,24 @@ def for_run(run_dir) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer.from_file(path) if path.exists() else ByteTokenizer()
 
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "train_bpe", "for_run", "TOKENIZER_FILE", "EOS"]
+def check_run_data(run_dir, source, doing: str) -> None:
+    """InputError unless `source` (a config's data.source, a DataSource) holds ids of the
+    tokenizer run_dir keeps: another tokenizer's ids (even of the same vocab size) or bytes
+    mean other strings, so the run would be `doing` (e.g. "evaluated") on nonsense. The
+    tokenizer files must be the same bytes; a run on bytes (no tokenizer.json) passes."""
+    kept = Path(run_dir) / TOKENIZER_FILE
+    if not kept.exists():
+        return  # byte-level runs: data.load_corpus checks the vocab
+    theirs = source.tokenizer
+    if theirs is not None and Path(theirs).read_bytes() == kept.read_bytes():
+        return
+    sha = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]  # noqa: E731
+    holds = f"ids of {theirs} (sha256 {sha(theirs)})" if theirs is not None else "bytes"
+    raise InputError(f"{run_dir} cannot be {doing} on {source.text!r}: the run was trained on "
+                     f"ids of {kept} (sha256 {sha(kept)}), the data holds {holds}; use a token "
+                     f"directory prepared with the run's tokenizer (scripts/prepare_data.py "
+                     f"--tokenizer {kept})")
+
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "train_bpe", "for_run", "check_run_data",
+           "TOKENIZER_FILE", "EOS"]

@@ -46,22 +46,6 @@ def parser():
     return ap
 
 
-def check_tokenizer(run_dir, source) -> None:
-    """A run that keeps a tokenizer (trained on a token directory) is measured only on ids of
-    that tokenizer: bytes or another tokenizer's ids would give a meaningless loss. `source`:
-    the config's data.source (a DataSource)."""
-    from dsattn import tokenizer
-    from dsattn.errors import InputError
-
-    run_tok = Path(run_dir) / tokenizer.TOKENIZER_FILE
-    if not run_tok.exists():
-        return  # byte-level runs: data.load_corpus checks the vocab
-    data_tok = source.tokenizer
-    if data_tok is None or data_tok.read_bytes() != run_tok.read_bytes():
-        raise InputError(f"{run_dir} was trained on tokens of its {tokenizer.TOKENIZER_FILE}; "
-                         f"{source.text!r} is not a token directory prepared with that tokenizer")
-
-
 def warn_overlap(rows, split_tokens: int) -> None:
     """The batches' windows are drawn from the validation split: scoring more tokens than it
     holds scores the same tokens again, so the loss rests on fewer tokens than it says."""
@@ -77,13 +61,15 @@ def warn_overlap(rows, split_tokens: int) -> None:
 
 def main(argv=None):
     args = cli.parse(parser(), argv)
-    from dsattn import baseline, checkpoint, data, evaluate  # after parsing: usage errors skip JAX
+    # after parsing: usage errors skip JAX
+    from dsattn import baseline, checkpoint, data, evaluate, tokenizer
 
     overrides = args.overrides + ([f"data.source={args.data}"] if args.data else [])
     cfg = checkpoint.load_run_config(args.run_dir, overrides)
     lens = ([n for group in args.seq_len for n in group] if args.seq_len
             else [cfg.train.seq_len, 4 * cfg.train.seq_len])
-    check_tokenizer(args.run_dir, cfg.data.source)
+    # a run on a token directory is measured only on ids of its tokenizer
+    tokenizer.check_run_data(args.run_dir, cfg.data.source, "evaluated")
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
     evaluate.check_lengths(corpus, lens)  # before the (slow) checkpoint restore
     model, cfg, step = cli.load_run(args.run_dir, args.step, overrides)

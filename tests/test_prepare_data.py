@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -525,3 +526,41 @@ def test_a_later_run_removes_the_temporaries_of_killed_runs_only(prepared, tmp_p
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_resume_on_ids_of_another_tokenizer_is_refused(prepared, run_dir, tmp_path, capsys):
+    """The run's token directory rebuilt (--force) with another tokenizer of the same vocab
+    size, then the run resumed: its ids now mean other strings. Refused in one line naming
+    both tokenizers, the run's copy kept; the same tokenizer resumes."""
+    src, out = prepared
+    tok, run = tmp_path / "tok", tmp_path / "run"
+    shutil.copytree(out, tok)
+    shutil.copytree(run_dir, run)
+    cfg_file = run / "config.yaml"  # the run as if trained on `tok` (the same bytes)
+    cfg_file.write_text(cfg_file.read_text().replace(str(out), str(tok)))
+    other = json.loads((out / "tokenizer.json").read_text())  # two tokens' ids swapped
+    vocab = other["model"]["vocab"]
+    a, b = [t for t, i in vocab.items() if i >= 257][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    prepare(capsys, src / "*.txt", "-o", tok, "--tokenizer", tmp_path / "other.json",
+            "--val-fraction", "0.3", "--force")
+    assert json.loads((tok / "meta.json").read_text())["vocab_size"] == len(vocab)
+    kept = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    train_script = _load_script("train")
+    resume = ["configs/tiny/mha.yaml", "--run-dir", run, "--quiet", f"data.source={tok}",
+              *TINY, "train.steps=6", "train.ckpt_every=6"]
+    status, _, err = run_main(train_script.main, resume, capsys)
+    assert status == 1 and len(err) == 1, err
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()[:12]  # noqa: E731
+    for name in (run / "tokenizer.json", tok / "tokenizer.json"):
+        assert f"{name} (sha256 {sha(name)}" in err[0], err
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == kept
+    # rebuilt with the run's own tokenizer: the resume goes on
+    prepare(capsys, src / "*.txt", "-o", tok, "--tokenizer", run / "tokenizer.json",
+            "--val-fraction", "0.3", "--force")
+    status, _, err = run_main(train_script.main, resume, capsys)
+    assert status == 0, err
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r] == [3, 6]
+    assert (run / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
