@@ -254,7 +254,8 @@ def _check_dir_vocab(tokens: int, vocab_size: int, source: str) -> None:
 
 def _load_token_dir(path: Path, data_cfg: DataConfig, vocab_size: int):
     """The directory's own train/val split (memory-mapped), each capped by data.max_bytes in
-    proportion; its metadata bounds every id, so no scan of the shards."""
+    proportion; every shard was checked against its sha256 and its ids bounded by the vocab
+    of meta.json (tokendir.verify)."""
     meta, train, val = tokendir.read(path)
     _check_dir_vocab(meta["vocab_size"], vocab_size, data_cfg.source.text)
     total = len(train) + len(val)
@@ -323,7 +324,7 @@ def _token_files_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) 
 
 
 def _token_dir_source(src: DataSource, data_cfg: DataConfig, vocab_size: int) -> Corpus:
-    # ids bounded by the directory's metadata
+    # shards hashed, ids bounded by the tokenizer's vocab (tokendir.read)
     train, val, desc = _load_token_dir(src.paths[0], data_cfg, vocab_size)
     return Corpus(train, val, vocab_size, desc)
 

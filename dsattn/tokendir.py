@@ -7,11 +7,12 @@
 
 Every document's tokens are followed by `eos_id`, so a shard reads doc, eos, doc, eos, ... and
 holds whole documents; train and validation are split by document. meta.json lists each
-split's shards in order with their tokens, bytes, sha256 and documents. `read` checks the
-fields and every shard's size against them (cheap, so on every load; the sha256 is there for
-a full check) and memory-maps the shards. `Writer` fills a temporary sibling directory and
-renames it into place at the end: a failed or interrupted run leaves nothing half-done (a
-killed one's temporary directory is removed by the next Writer of the same directory).
+split's shards in order with their tokens, bytes, sha256 and documents. `read_meta` checks
+the fields and every shard's size against them; `read` also hashes every shard against its
+sha256 and bounds its ids (`verify`: one pass, 0.15 s for 100 MB on a 2-core CPU) and
+memory-maps them. `Writer` fills a temporary sibling directory and renames it into place at
+the end: a failed or interrupted run leaves nothing half-done (a killed one's temporary
+directory is removed by the next Writer of the same directory).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ FORMAT = "dsattn-tokens"
 VERSION = 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}  # meta.json's name -> the bytes on disk
-VERIFIED_FILE = ".verified.json"  # shards whose sha256 was checked (see `verify`)
+HASH_CHUNK = 1 << 24  # bytes of a shard hashed (and its ids bounded) at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -164,7 +165,7 @@ def _not_token_dir_entry(path: Path) -> str | None:
     prepare_data.py's files are), or None: its entries are all a token directory's."""
     try:
         meta = json.loads((path / META_FILE).read_text())
-        ours = {META_FILE, VERIFIED_FILE, meta["tokenizer"]}
+        ours = {META_FILE, meta["tokenizer"]}
         ours |= {s["file"] for shards in meta["splits"].values() for s in shards}
         if meta["format"] != FORMAT:
             raise ValueError
@@ -217,8 +218,9 @@ def read_meta(path) -> dict:
             raise bad(f"no {split!r} shards")
         for s in shards:
             if not (isinstance(s, dict) and isinstance(s.get("file"), str)
-                    and isinstance(s.get("tokens"), int) and isinstance(s.get("bytes"), int)):
-                raise bad(f"a {split!r} shard lacks file, tokens or bytes")
+                    and isinstance(s.get("tokens"), int) and isinstance(s.get("bytes"), int)
+                    and isinstance(s.get("sha256"), str)):
+                raise bad(f"a {split!r} shard lacks file, tokens, bytes or sha256")
             f = path / s["file"]
             size = f.stat().st_size if f.is_file() else None
             if size is None or size != s["bytes"] or size != s["tokens"] * itemsize:
@@ -227,10 +229,42 @@ def read_meta(path) -> dict:
     return meta
 
 
+def verify(path, meta: dict) -> None:
+    """Every shard's bytes against meta.json's sha256 and its ids against the vocab, in one
+    pass: a damaged shard is named (InputError), not trained on. Out-of-vocab ids once read
+    as a NaN loss several steps in; damage that keeps every id in the vocab is caught only by
+    the hash."""
+    dtype, vocab = np.dtype(DTYPES[meta["dtype"]]), meta["vocab_size"]
+    for split in SPLITS:
+        for s in meta["splits"][split]:
+            f, sha, bad, n = Path(path) / s["file"], hashlib.sha256(), None, 0
+            with open(f, "rb") as fh:  # read_meta checked the size: whole ids, chunk by chunk
+                while chunk := fh.read(HASH_CHUNK):
+                    sha.update(chunk)
+                    ids = np.frombuffer(chunk, dtype)
+                    if bad is None and ids.size and ids.max() >= vocab:
+                        i = int(np.argmax(ids >= vocab))
+                        bad = n + i, int(ids[i])
+                    n += ids.size
+            hashed = sha.hexdigest() == s["sha256"]
+            if bad is not None:
+                also = "" if hashed else ", and its sha256 is not meta.json's"
+                raise InputError(
+                    f"{f}: token {bad[0]:,} (byte offset {bad[0] * dtype.itemsize:,}) is id "
+                    f"{bad[1]}, outside the vocab of {vocab}{also}: the shard is damaged; "
+                    f"rerun scripts/prepare_data.py")
+            if not hashed:
+                raise InputError(
+                    f"{f}: its sha256 {sha.hexdigest()[:16]}... is not meta.json's "
+                    f"{s['sha256'][:16]}...: the shard is damaged or changed since "
+                    f"scripts/prepare_data.py wrote it; rerun scripts/prepare_data.py")
+
+
 def read(path) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(meta, train, val) of a token directory: read-only memory maps of its shards (several
-    shards of a split are concatenated in memory)."""
+    """(meta, train, val) of a token directory, every shard verified (`verify`): read-only
+    memory maps of its shards (several shards of a split are concatenated in memory)."""
     meta = read_meta(path)
+    verify(path, meta)
     dtype = DTYPES[meta["dtype"]]
 
     def split(name):
@@ -241,5 +275,5 @@ def read(path) -> tuple[dict, np.ndarray, np.ndarray]:
     return meta, split("train"), split("val")
 
 
-__all__ = ["Writer", "read", "read_meta", "token_dtype", "is_token_dir", "META_FILE",
+__all__ = ["Writer", "read", "read_meta", "verify", "token_dtype", "is_token_dir", "META_FILE",
            "VERSION"]

@@ -1,5 +1,7 @@
 """Tests for dsattn.data: corpora, by-file splits, caps, stateless batches, entropy, codec."""
 
+import hashlib
+import json
 import math
 import re
 import sysconfig
@@ -290,3 +292,53 @@ def test_block_windows_hold_part_of_a_block_or_whole_blocks():
         np.testing.assert_array_equal(b["targets"], b["inputs"] + 1)
     with pytest.raises(InputError, match="at most the corpus's sequences of 8 tokens, or whole"):
         data.batch_at(tokens, 0, 2, 12, 0, block=8)
+
+
+# ----------------------------------------------------------------------------- damaged shards
+def _token_dir(tmp_path, n_train=5000):
+    """A token directory of known ids (a word-level tokenizer of 300 tokens, eos 299)."""
+    vocab = {f"w{i}": i for i in range(299)} | {"<|endoftext|>": 299}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(
+        str(tmp_path / "tokenizer.json"))
+    ids = np.random.default_rng(0).integers(0, 299, n_train)
+    with tokendir.Writer(tmp_path / "tok", vocab_size=300, eos_id=299) as w:
+        w.add("train", ids)
+        w.add("val", ids[:100])
+        w.commit(tmp_path / "tokenizer.json")
+    return tmp_path / "tok", np.append(ids, 299)
+
+
+def _overwrite(path, offset, raw: bytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(raw)
+
+
+def test_a_damaged_shard_is_named_not_trained_on(tmp_path):
+    """4096 bytes of 0xFF in a shard once trained on as id 65535 until the loss was NaN: the
+    shard is named with the first out-of-vocab id's place, and a damage that keeps every id in
+    the vocab is caught by meta.json's sha256."""
+    out, ids = _token_dir(tmp_path)
+    shard, source = out / "train_000.bin", DataConfig(source=str(out), max_bytes=0)
+    np.testing.assert_array_equal(data.load_corpus(source, 300).train, ids)
+    good = shard.read_bytes()
+    _overwrite(shard, 4096, b"\xff" * 4096)
+    with pytest.raises(InputError, match=r"train_000\.bin: token 2,048 \(byte offset 4,096\) is "
+                                         r"id 65535, outside the vocab of 300.*sha256"):
+        data.load_corpus(source, 300)
+    shard.write_bytes(good)
+    swapped = ids[:12].copy()
+    swapped[10], swapped[11] = ids[11], ids[10]
+    assert swapped[10] != swapped[11]
+    _overwrite(shard, 0, swapped.astype("<u2").tobytes())  # ids in range, in another order
+    with pytest.raises(InputError, match=r"train_000\.bin: its sha256 .* is not meta.json's"):
+        data.load_corpus(source, 300)
+    # out-of-vocab ids that meta.json's hash vouches for: still refused, named
+    shard.write_bytes(good)
+    _overwrite(shard, 2 * 4999, b"\x2c\x01")  # id 300 at the last token before the eos
+    meta = json.loads((out / "meta.json").read_text())
+    meta["splits"]["train"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(InputError, match=r"train_000\.bin: token 4,999 \(byte offset 9,998\) is "
+                                         r"id 300, outside the vocab of 300"):
+        data.load_corpus(source, 300)

@@ -463,7 +463,8 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(prepared, tmp_pa
     train[:cut].tofile(two / "train_000.bin")
     train[cut:].tofile(two / "train_001.bin")
     meta["splits"]["train"] = [
-        {"file": f"train_00{i}.bin", "tokens": len(a), "bytes": 2 * len(a), "documents": 0}
+        {"file": f"train_00{i}.bin", "tokens": len(a), "bytes": 2 * len(a), "documents": 0,
+         "sha256": hashlib.sha256(a.astype("<u2").tobytes()).hexdigest()}
         for i, a in enumerate((train[:cut], train[cut:]))]
     (two / "meta.json").write_text(json.dumps(meta))
     c = data.load_corpus(DataConfig(source=str(two), max_bytes=0), meta["vocab_size"])
