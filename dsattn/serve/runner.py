@@ -5,6 +5,11 @@ the thread admits what arrived, runs steps while anything is queued or running (
 otherwise), and calls each ticket's callback with its events, in order. A request is checked
 (`Scheduler.check`) on the caller's thread, so a bad one fails there and never reaches the
 batch. `metrics()` is a snapshot the thread refreshes after every step.
+
+At most rows + `max_queue` requests are open at once (a fuller queue refuses with Busy,
+so a client can retry elsewhere or later). If the thread dies (a bug), every open request
+gets its last callback at once, `error` says why in one line, and `submit` refuses with
+Down from then on: nothing waits on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import re
+import sys
 import threading
 import time
 import traceback
@@ -22,16 +29,36 @@ from dsattn.serve.scheduler import Scheduler
 RATE_WINDOW_S = 10.0  # tokens/s over this much recent time
 
 
+def _one_line(e: Exception) -> str:
+    """The exception's type and first line, files named without their paths (what a client
+    may be told)."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return re.sub(r"[^\s'\"()]*[/\\]([^\s'\"()/\\]*[A-Za-z_][^\s'\"()/\\]*)", r"\1",
+                  text)[:300]
+
+
+class Busy(Exception):
+    """Rows and queue are full: the request was not taken."""
+
+
+class Down(Exception):
+    """The runner's thread has stopped: nothing would ever serve the request."""
+
+
 class Runner:
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, max_queue: int | None = None):
         self.scheduler = scheduler
+        self.max_queue = max_queue  # requests waiting beyond the rows (None: no bound)
+        self._lock = threading.Lock()  # submit vs the thread's death: none is left waiting
+        self._open = 0  # requests submitted whose last event is not delivered yet
         self._inbox: queue.Queue = queue.Queue()
         self._tickets = itertools.count()
         self._by_rid: dict[int, tuple[int, object]] = {}  # rid -> (ticket, callback)
         self._rid_of: dict[int, int] = {}  # ticket -> rid
         self._recent: collections.deque = collections.deque()  # (time, tokens) per step
         self._stop = threading.Event()
-        self.error: str | None = None  # set if a step raised: the runner stops
+        self.error: str | None = None  # one line, set when the thread stops
         self._snapshot = self._measure()
         self._thread = threading.Thread(target=self._loop, name="dsattn-serve", daemon=True)
 
@@ -51,18 +78,27 @@ class Runner:
     # -- clients (any thread) ------------------------------------------------------------
     def submit(self, req: Request, on_event) -> int:
         """Check `req` (InputError if bad) and queue it; `on_event(Event)` is called from the
-        runner's thread for each of its events, the last with `finish` set. Returns a
-        ticket for `cancel`."""
+        runner's thread for each of its events, the last with `finish` set (or once with
+        None if the thread dies). Returns a ticket for `cancel`. Busy if rows and queue are
+        full, Down if the thread has stopped."""
         self.scheduler.check(req)
-        ticket = next(self._tickets)
-        self._inbox.put(("submit", ticket, req, on_event))
+        with self._lock:
+            if self.error is not None:
+                raise Down(self.error)
+            if (self.max_queue is not None
+                    and self._open >= self.scheduler.rows + self.max_queue):
+                raise Busy(f"{self._open} requests are open, the most this server takes "
+                           f"({self.scheduler.rows} rows + a queue of {self.max_queue})")
+            self._open += 1
+            ticket = next(self._tickets)
+            self._inbox.put(("submit", ticket, req, on_event))
         return ticket
 
     def cancel(self, ticket: int) -> None:
         self._inbox.put(("cancel", ticket))
 
     def metrics(self) -> dict:
-        return dict(self._snapshot)
+        return dict(self._snapshot, open_requests=self._open, max_queue=self.max_queue)
 
     # -- the thread ----------------------------------------------------------------------
     def _take(self, item) -> None:
@@ -77,6 +113,33 @@ class Runner:
             self.scheduler.cancel(self._rid_of[item[1]])
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+            why = "the server is shutting down"
+        except Exception as e:  # a bug: fail every open request loudly, stop serving
+            traceback.print_exc(file=sys.stderr)  # the operator's copy, with the paths
+            why = f"the scheduler stopped: {_one_line(e)}"
+        self._fail_all(why)
+
+    def _fail_all(self, why: str) -> None:
+        """Refuse new requests; give every open one (running or still in the inbox) its
+        last callback."""
+        with self._lock:
+            self.error = why
+            self._open = 0
+        waiting = [cb for _, cb in self._by_rid.values()]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0] == "submit":
+                waiting.append(item[3])
+        self._by_rid.clear()
+        for on_event in waiting:
+            on_event(None)
+
+    def _serve(self) -> None:
         s = self.scheduler
         while not self._stop.is_set():
             try:  # block only when there is nothing to run
@@ -88,14 +151,8 @@ class Runner:
             if s.idle:
                 self._snapshot = self._measure()
                 continue
-            try:
-                before = s.generated
-                events = s.step()
-            except Exception:  # a bug: fail every open request loudly, stop serving
-                self.error = traceback.format_exc()
-                for ticket, on_event in self._by_rid.values():
-                    on_event(None)
-                return
+            before = s.generated
+            events = s.step()
             self._recent.append((time.monotonic(), s.generated - before))
             for ev in events:
                 self._deliver(ev)
@@ -106,6 +163,8 @@ class Runner:
         if ev.finish is not None:
             del self._by_rid[ev.request_id]
             self._rid_of.pop(ticket, None)
+            with self._lock:
+                self._open -= 1
         on_event(ev)
 
     def _measure(self) -> dict:
