@@ -3,15 +3,17 @@
 
     python scripts/serve.py RUN_DIR [--host 127.0.0.1] [--port 8000] [--rows 8]
         [--max-len L] [--pool-tokens N] [--token-budget N] [--max-chunk 64] [--replay R]
-        [--step S] [KEY=VALUE ...]
+        [--api-key KEY] [--max-queue 64] [--max-body-bytes N] [--step S] [KEY=VALUE ...]
 
 Needs the `serve` extra (pip install -e ".[serve]"). Endpoints: POST /v1/completions
-(prompt, max_tokens, temperature, top_p, stop, stream, seed), GET /health, GET /metrics
-(queue length, active rows, free pages, tokens/s). Any OpenAI client works, e.g.
-``openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``. The server prints
+(prompt, max_tokens, temperature, top_p, stop, stream, seed), GET /v1/models, GET /health,
+GET /metrics (queue length, active rows, open requests, free pages, tokens/s). Any OpenAI
+client works, e.g. ``openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``. With
+--api-key (or DSATTN_API_KEY) every endpoint but /health needs that key. The server prints
 `serving on http://HOST:PORT` on stderr once it accepts requests.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,14 @@ def parser():
     ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                     help="start serving before compiling every program a step can run (the "
                          "first requests then wait for the compiles)")
+    ap.add_argument("--api-key", default=os.environ.get("DSATTN_API_KEY") or None,
+                    help="the key clients send (Authorization: Bearer KEY) to every endpoint "
+                         "but /health (default: $DSATTN_API_KEY; none: no key is asked)")
+    ap.add_argument("--max-queue", type=cli.nonnegative_int, default=64,
+                    help="requests waiting for a row beyond the --rows running; more get 429 "
+                         "with Retry-After (default 64)")
+    ap.add_argument("--max-body-bytes", type=cli.positive_int, default=None,
+                    help="largest request body; a larger one gets 413 (default 4 MiB)")
     ap.add_argument("--step", type=cli.nonnegative_int, default=None,
                     help="checkpoint step to load (default: the latest)")
     return ap
@@ -74,11 +84,13 @@ def main(argv=None):
         shapes = sched.warm_up()
         print(f"compiled {shapes} step shapes in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
-    runner = Runner(sched).start()
+    runner = Runner(sched, max_queue=args.max_queue).start()
     announce = lambda: print(f"serving on http://{args.host}:{args.port} (checkpoint step "  # noqa: E731
-                             f"{step}, {args.rows} rows of {max_len} positions)",
+                             f"{step}, {args.rows} rows of {max_len} positions"
+                             f"{', API key required' if args.api_key else ''})",
                              file=sys.stderr, flush=True)
-    app = make_app(runner, tokenizer.for_run(args.run_dir), Path(args.run_dir).name, announce)
+    app = make_app(runner, tokenizer.for_run(args.run_dir), Path(args.run_dir).name, announce,
+                   api_key=args.api_key, max_body_bytes=args.max_body_bytes)
 
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -4,6 +4,8 @@ output through the tokenizer, streamed or not, alone or among 8 concurrent reque
 requests get one 400 message and leave the others' outputs unchanged."""
 
 import concurrent.futures
+import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -33,27 +35,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(run_dir):
+@contextlib.contextmanager
+def serve(run_dir, *flags, env=None):
+    """scripts/serve.py on a free port, once /health answers; its URL."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), str(run_dir),
                              "--port", str(port), "--rows", str(ROWS), "--max-len",
-                             str(MAX_LEN), "--max-chunk", "16"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             str(MAX_LEN), "--max-chunk", "16", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    with serve(run_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +126,10 @@ def test_eight_concurrent_requests_each_equal_their_solo_output(client, solo):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(prompt="a" * MAX_LEN, max_tokens=4), f"exceeds the cache's {MAX_LEN} positions"),
+    (dict(prompt="a" * MAX_LEN, max_tokens=4), f"exceeds this model's {MAX_LEN} tokens"),
     (dict(prompt="a", max_tokens=-1), "max_tokens"),
-    (dict(prompt="a", max_tokens=2, extra_body={"best_of": 3}), "unknown field 'best_of'"),
+    (dict(prompt="a", max_tokens=2, extra_body={"frob": 3}), "unknown field 'frob'"),
+    (dict(prompt="a", max_tokens=2, extra_body={"best_of": 3}), "best_of"),
     (dict(prompt="a", max_tokens=2, top_p=0), "top_p"),
 ])
 def test_bad_requests_get_one_400_and_leave_the_others_alone(client, solo, kwargs, needle):
@@ -139,3 +151,26 @@ def test_health_and_metrics(server, client):
     assert m["rows"] == ROWS and m["queued"] == 0 and m["active_rows"] == 0
     assert m["pages_free"] == m["pages_total"] == 0  # MHA: a contiguous cache, no pools
     assert m["generated_tokens"] > 0 and m["tokens_per_s"] >= 0
+
+
+def test_the_api_key_queue_and_body_limit_flags(run_dir, monkeypatch):
+    env = dict(os.environ, DSATTN_API_KEY="sekrit")  # the key from the environment
+    with serve(run_dir, "--no-warm-up", "--max-queue", "5", "--max-body-bytes", "2000",
+               env=env) as url:
+        assert httpx.get(f"{url}/health").status_code == 200  # no key needed
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        key = {"authorization": "Bearer sekrit"}
+        models = httpx.get(f"{url}/v1/models", headers=key).json()
+        assert [m["id"] for m in models["data"]] == [run_dir.name]
+        assert httpx.get(f"{url}/metrics", headers=key).json()["max_queue"] == 5
+        big = httpx.post(f"{url}/v1/completions", headers=key,
+                         json={"prompt": "a", "user": "u" * 2000})
+        assert big.status_code == 413 and "2000 bytes" in big.json()["error"]["message"]
+    from scripts import serve as serve_script
+
+    monkeypatch.delenv("DSATTN_API_KEY", raising=False)
+    parse = lambda *a: cli.parse(serve_script.parser(), ["run", *a])  # noqa: E731
+    assert parse().api_key is None and parse("--api-key", "k").api_key == "k"
+    assert parse().max_queue == 64 and parse().max_body_bytes is None
+    monkeypatch.setenv("DSATTN_API_KEY", "from-env")
+    assert parse().api_key == "from-env" and parse("--api-key", "k").api_key == "k"
