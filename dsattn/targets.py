@@ -38,7 +38,13 @@ class Target:
     bandwidth_bytes_per_s: float
     peak_bf16_flops: float
     mesh_topology: str
+    usable_fraction: float = 0.9  # of memory_bytes a program may fill
     gpu: dict | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        """The memory one program may fill."""
+        return int(self.usable_fraction * self.memory_bytes)
 
     @property
     def shared_memory(self) -> int | None:
@@ -94,6 +100,7 @@ def load(name: str) -> Target:
     if raw.get("platform") not in ("cuda", "tpu"):
         raise ValueError(f"{path}: platform must be cuda or tpu, got {raw.get('platform')!r}")
     return Target(**{**raw, "memory_bytes": int(raw["memory_bytes"]),
+                     "usable_fraction": float(raw.get("usable_fraction", 0.9)),
                      "bandwidth_bytes_per_s": float(raw["bandwidth_bytes_per_s"]),
                      "peak_bf16_flops": float(raw["peak_bf16_flops"])})
 

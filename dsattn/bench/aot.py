@@ -50,7 +50,6 @@ IMPLS = {"xla": ("attention.impl=xla", "indexer.impl=xla"),
          "kernels": ("attention.impl=auto", "indexer.impl=auto")}
 CONTEXTS = (32768, 131072)
 SERVE_ROWS, SERVE_CHUNK, SERVE_CONTEXT = 8, 64, 32768
-USABLE = 0.9  # of a chip's memory a program may fill (the runtime keeps the rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +236,7 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
     out, alias = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
     peak = arg + temp + out - alias
     row.update(argument_bytes=arg, temp_bytes=temp, output_bytes=out, alias_bytes=alias,
-               peak_bytes=peak, fits=peak <= USABLE * target.memory_bytes)
+               peak_bytes=peak, fits=peak <= target.usable_bytes)
     text = compiled.as_text()
     launches = hlo.launches(text)
     customs = {k.removeprefix("custom-call "): v for k, v in launches.by_kind.items()
@@ -372,7 +371,7 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
                         program, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
                 return found[b].get("peak_bytes", found[b].get("asked_bytes"))
 
-            b = max_batch(peak_at, USABLE * target.memory_bytes)
+            b = max_batch(peak_at, target.usable_bytes)
             if b is None:
                 return [{**found[1], "largest_fitting_batch": 0}]
             return [{**found[b], "largest_fitting_batch": b}]
