@@ -77,7 +77,7 @@ def main(argv=None):
         rows = aot.rows_for(spec, target, devices, args.configs,
                             log=lambda line: print(line, flush=True))
         report.put(target.name, spec, rows)
-        report.save(out)
+        report.save(out, target)
     print(f"report: {out}.json, {out}.txt")
     return 0
 

@@ -534,12 +534,16 @@ class Report:
     def all_rows(self) -> list:
         return [r for key in sorted(self.rows) for r in self.rows[key]]
 
-    def save(self, out) -> None:
-        """OUT.json (every row) and OUT.txt (a line each), written whole."""
+    def save(self, out, target: targets.Target | None = None) -> None:
+        """OUT.json (every row) and OUT.txt (a line each), written whole; with the target,
+        each compiled row's `fits` by its memory as the target file has it now."""
         from pathlib import Path
 
         from dsattn.runlog import atomic_write
 
+        for row in self.all_rows():
+            if target is not None and row.get("compiled"):
+                row["fits"] = row["peak_bytes"] <= target.usable_bytes
         out = Path(out)
         atomic_write(out.with_suffix(".json"),
                      json.dumps({"rows": self.rows}, indent=1, sort_keys=True) + "\n")
