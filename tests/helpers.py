@@ -101,3 +101,22 @@ def check_two_chunk_prefill(model, first, second: int, max_len: int, seed: int =
     logits, cache = generate.prefill(model, chunk, [second] * len(first), cache)
     want = full[np.arange(len(first)), first + second - 1]
     np.testing.assert_allclose(np.asarray(logits), want, atol=1e-9)
+
+
+def once_per_session(tmp_path_factory, name: str, make) -> dict:
+    """make()'s JSON-able result, made once per test session: pytest-xdist workers share the
+    session's base temp directory, and a lock lets the first worker make it while the others
+    wait for its file."""
+    import fcntl
+    import json
+
+    shared = tmp_path_factory.getbasetemp()  # this session's; under xdist, this worker's
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's, shared by its workers
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / f"{name}.json"
+        if not done.exists():
+            done.write_text(json.dumps(make(shared)))
+    return json.loads(done.read_text())
+

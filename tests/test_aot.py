@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, once_per_session
 
 AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")
 pytestmark = pytest.mark.full
@@ -28,8 +28,9 @@ def _run(*names) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report():
-    return _run()
+def report(tmp_path_factory):
+    """Every check's row, compiled once per session (the workers share it)."""
+    return once_per_session(tmp_path_factory, "aot", lambda shared: _run())
 
 
 CALLS = {  # the kernels each check's program must launch

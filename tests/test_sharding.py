@@ -8,7 +8,6 @@ compiles a forward, a prefill and a decode program for each preset and mesh and 
 step for each mesh. Each runs once per test session, whichever worker asks first.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -24,24 +23,15 @@ from jax.sharding import PartitionSpec as P
 
 from dsattn import config, sharding
 from dsattn.model import Transformer
-from tests.helpers import ROOT, preset
+from tests.helpers import ROOT, once_per_session, preset
 
 MESHES = ("(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)")
 
 
 def _shared_report(tmp_path_factory, name: str, devices: int, *args) -> dict:
-    """The subprocess's JSON report, made once per test session: pytest-xdist workers share
-    the session's base temp directory, and a lock lets the first worker run it while the
-    others wait for its file."""
-    shared = tmp_path_factory.getbasetemp()  # this session's; under xdist, this worker's
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's, shared by its workers
-    with open(shared / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared / f"{name}.json"
-        if not done.exists():
-            done.write_text(json.dumps(_run_checks(shared / f"{name}-runs", devices, *args)))
-    out = json.loads(done.read_text())
+    """The subprocess's JSON report, made once per test session (helpers.once_per_session)."""
+    out = once_per_session(tmp_path_factory, name,
+                           lambda shared: _run_checks(shared / f"{name}-runs", devices, *args))
     assert out["devices"] == devices and out["x64"]
     return out
 
