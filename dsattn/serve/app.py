@@ -76,15 +76,22 @@ class _Refused(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind, self.headers = kind, headers
 
+    def content(self) -> dict:
+        return _content(self.message, param=self.param, code=self.code, kind=self.kind)
+
     def response(self) -> JSONResponse:
-        return _error(self.status, self.message, param=self.param, code=self.code,
-                      kind=self.kind, headers=self.headers)
+        return JSONResponse(status_code=self.status, headers=self.headers,
+                            content=self.content())
+
+
+def _content(message: str, *, param=None, code=None, kind="invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error",
            headers=None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers, content={"error": {
-        "message": message, "type": kind, "param": param, "code": code}})
+    return JSONResponse(status_code=status, headers=headers,
+                        content=_content(message, param=param, code=code, kind=kind))
 
 
 def _one_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
@@ -340,7 +347,7 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
         except InputError as e:
             raise _Refused(400, str(e))
         except Busy as e:
-            raise _Refused(429, f"the server is full ({e}): retry later", kind="requests",
+            raise _Refused(429, f"the server is full: {e}; retry later", kind="requests",
                            code="rate_limit_exceeded", headers={"retry-after": "1"})
         except Down:
             raise down()
@@ -400,7 +407,7 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
                         try:
                             piece, reason = await next_piece()
                         except _Refused as e:  # the scheduler died mid-stream
-                            yield f"data: {json.dumps(json.loads(e.response().body))}\n\n"
+                            yield f"data: {json.dumps(e.content())}\n\n"
                             return
                         if piece or reason:
                             yield f"data: {json.dumps(chunk(piece, reason))}\n\n"

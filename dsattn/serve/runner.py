@@ -87,8 +87,8 @@ class Runner:
                 raise Down(self.error)
             if (self.max_queue is not None
                     and self._open >= self.scheduler.rows + self.max_queue):
-                raise Busy(f"{self._open} requests are open, the most this server takes "
-                           f"({self.scheduler.rows} rows + a queue of {self.max_queue})")
+                raise Busy(f"{self._open} requests are open, the most it takes "
+                           f"({self.scheduler.rows} rows and {self.max_queue} waiting)")
             self._open += 1
             ticket = next(self._tickets)
             self._inbox.put(("submit", ticket, req, on_event))
