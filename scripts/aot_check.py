@@ -9,8 +9,9 @@ what each compiled program holds and launches (dsattn.bench.aot):
 
 Needs the `aot` extra (pip install -e ".[aot]": the CUDA plugin with ptxas, and libtpu) in
 its environment; `make aot-venv` makes one in .venv-aot. Rows go to OUT.json (every row,
-kept across runs: a rerun compiles only the rows it lacks, --redo all of them) and OUT.txt
-(one line each). `--mesh` compiles on the target's mesh (8 GPUs in one host; 4 TPU chips)
+kept across runs: a rerun compiles only the rows it lacks, --redo all of them), OUT.txt
+(one line each) and OUT.md (a table: each program's peak memory, kernels a decode layer,
+the largest decode batches). `--mesh` compiles on the target's mesh (8 GPUs in one host; 4 TPU chips)
 instead of one chip: the training step FSDP over every chip, the decode step's rows split
 over them. scripts/device_check.py reads the same rows on a real device and adds timings.
 `--tiles` (a GPU target) measures instead the shared memory the training kernels' programs
@@ -78,7 +79,7 @@ def main(argv=None):
                             log=lambda line: print(line, flush=True))
         report.put(target.name, spec, rows)
         report.save(out, target)
-    print(f"report: {out}.json, {out}.txt")
+    print(f"report: {out}.json, .txt, .md")
     return 0
 
 

@@ -549,6 +549,46 @@ class Report:
                      json.dumps({"rows": self.rows}, indent=1, sort_keys=True) + "\n")
         atomic_write(out.with_suffix(".txt"),
                      "\n".join(_summary(r) for r in self.all_rows()) + "\n")
+        atomic_write(out.with_suffix(".md"), table(self.all_rows()))
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of a target's rows, one line per (mesh, preset, implementation):
+    each program's peak memory (GiB; * where it does not fit the chip, x where it did not
+    compile), kernels a layer of the batch-1 decode step at 32K, the largest decode batch
+    at 32K and 128K."""
+    programs = (("train", 4, 8192), ("train_long", 1, 32768), ("prefill", 1, 32768),
+                ("decode", 1, 32768), ("decode", 1, 131072), ("serve_step", SERVE_ROWS,
+                                                                  SERVE_CONTEXT))
+    head = ("| chips | preset | impl | train 4x8K | train 1x32K | prefill | decode 32K | "
+            "decode 128K | serve step | decode kernels/layer | decode batch 32K / 128K |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    keys = sorted({(r["mesh"], r["preset"], r["impl"]) for r in rows},
+                  key=lambda k: (k[0] != "1 chip", k[0], k[1], k[2]))
+    for mesh, preset, impl in keys:
+        mine = [r for r in rows if (r["mesh"], r["preset"], r["impl"]) == (mesh, preset, impl)]
+
+        def cell(program, batch, length):
+            r = next((r for r in mine if (r["program"], r["batch"], r["length"]) ==
+                      (program, batch, length)), None)
+            if r is None:
+                return ""
+            if r.get("same_as"):
+                return f"= {r['same_as']}"
+            if not r.get("compiled"):
+                return "x (memory)" if r.get("fits") is False else "x"
+            return f"{r['peak_bytes'] / 2**30:.2f}{'' if r['fits'] else '*'}"
+
+        dec = next((r for r in mine if (r["program"], r["batch"], r["length"]) ==
+                    ("decode", 1, 32768) and r.get("compiled")), None)
+        most = [str(next((r.get("largest_fitting_batch") for r in mine
+                          if r["program"] == "decode_max" and r["length"] == n), "") or "")
+                for n in CONTEXTS]
+        lines.append(f"| {mesh} | {preset} | {impl} | "
+                     + " | ".join(cell(*p) for p in programs)
+                     + f" | {dec['kernels']['per_layer'] if dec else ''} | {' / '.join(most)} |")
+    return "\n".join(lines) + "\n"
 
 
 def _summary(r: dict) -> str:
