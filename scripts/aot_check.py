@@ -30,6 +30,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiles in parallel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import jax  # noqa: E402
+
 from dsattn import cli, targets  # noqa: E402
 from dsattn.bench import aot  # noqa: E402
 from dsattn.errors import InputError  # noqa: E402
@@ -79,6 +81,7 @@ def main(argv=None):
                             log=lambda line: print(line, flush=True))
         report.put(target.name, spec, rows)
         report.save(out, target)
+        jax.clear_caches()  # a compiled program per row adds up to GBs over a report
     print(f"report: {out}.json, .txt, .md")
     return 0
 

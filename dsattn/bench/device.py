@@ -320,7 +320,7 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
                 if ref and impl != "xla":
                     row["x_reference"] = ref["step_ms"] / row["step_ms"]
                 row["compiled"] = aot.prediction(compiled, name, impl, "decode",
-                                                 row["batch"], row["context"])
+                                                 row.get("batch"), row.get("context"))
             report["decode"].extend(rows or [])
             record()
     on_gpu = jax.default_backend() == "gpu"
@@ -340,8 +340,8 @@ def check(settings: Settings, root: Path, log=print, save=lambda report: None,
             if row and ref and impl != "xla":  # the A/B, measured in this run
                 row["x_reference"] = row["tokens_per_s"] / ref["tokens_per_s"]
             if row:
-                row["compiled"] = aot.prediction(compiled, name, impl, "train", row["batch"],
-                                                 row["seq_len"])
+                row["compiled"] = aot.prediction(compiled, name, impl, "train",
+                                                 row.get("batch"), row.get("seq_len"))
             report["train"].extend([row] if row else [])
             record()
     for name in settings.sweep_presets if bw else ():
