@@ -3,8 +3,8 @@ lock that keeps one writer per directory.
 
 A run directory holds `config.yaml` (rewritten on resume; its model keys, config.Kind.MODEL,
 never change), `metrics.jsonl`, `checkpoints/` and `.lock`. Restoring checks the saved config
-first, so a checkpoint is never loaded into a model of another shape: the error names the
-first differing key; the checkpoint's own tree is checked too (parameter path and both
+first, so a checkpoint is never loaded into a model of another shape: the error names
+every differing key; the checkpoint's own tree is checked too (parameter path and both
 shapes). Each step a Trainer saves gets a manifest of its files' sizes and hashes once
 committed (dsattn.manifest); every restore goes through `restore_latest`, which checks it
 first. A damaged step (changed, truncated or missing file, lost or garbled manifest, or a step
@@ -139,14 +139,19 @@ def check_compatible(run_dir: Path, cfg) -> None:
         return
     now = yaml.safe_load(cfg.to_yaml())
     compared = (config_lib.Kind.MODEL, None)  # None: a key no section has now
+    differ = []  # every one at once: a fix per rerun is a rerun per key
     for sec in config_lib.sections_of(config_lib.Kind.MODEL):
         a, b = saved.get(sec, {}), now.get(sec, {})
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key) and config_lib.kind_of(sec, key) in compared:
-                raise CheckpointMismatch(
-                    f"{run_dir}: checkpoint was trained with {sec}.{key}={a.get(key)!r}, "
-                    f"this config has {sec}.{key}={b.get(key)!r}; use another run directory "
-                    f"or the run's own config")
+                differ.append((f"{sec}.{key}", a.get(key), b.get(key)))
+    if differ:
+        raise CheckpointMismatch(
+            f"{run_dir}: checkpoint was trained with "
+            + ", ".join(f"{k}={a!r}" for k, a, _ in differ) + ", this config has "
+            + ", ".join(f"{k}={b!r}" for k, _, b in differ)
+            + (f" ({len(differ)} keys differ)" if len(differ) > 1 else "")
+            + "; use another run directory or the run's own config")
 
 
 def manager(run_dir: Path, keep: int, *, writer: bool = False) -> ocp.CheckpointManager:

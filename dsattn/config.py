@@ -493,10 +493,8 @@ def from_dict(raw: dict, overrides=(), scale_schedule: bool = False) -> Config:
         sections[name] = _build_section(cls, sec, name)
     cfg = Config(name=str(raw.get("name", "unnamed")), **sections)
     cfg = _fit_depth(cfg, overridden_keys(overrides))
-    preset_steps = _coerce((given.get("train") or {}).get("steps", TrainConfig.steps), int,
-                           "train.steps")
     if scale_schedule:
-        cfg = scale_schedule_of(cfg, preset_steps, overridden_keys(overrides))
+        cfg = scale_schedule_of(cfg, _preset_steps(given), overridden_keys(overrides))
     cfg = _resolve(cfg)
     validate(cfg)
     return cfg
@@ -521,6 +519,12 @@ def short_schedule(cfg: Config) -> list[tuple[str, int]]:
     return [(f"{sec}.{key}", getattr(getattr(cfg, sec), key)) for sec, key in SCHEDULE_STEPS
             if getattr(getattr(cfg, sec), key) > cfg.train.steps
             and (sec != "indexer" or indexed)]
+
+
+def _preset_steps(raw: dict) -> int:
+    """The train.steps a preset's own dict names (before overrides)."""
+    return _coerce(((raw or {}).get("train") or {}).get("steps", TrainConfig.steps), int,
+                   "train.steps")
 
 
 def scale_schedule_of(cfg: Config, preset_steps: int, overridden=frozenset()) -> Config:
@@ -586,8 +590,7 @@ def _fit_depth(cfg: Config, overridden: set) -> Config:
                       + " and ".join(fix for _, fix in misfits.values()))
 
 
-def load(path, overrides=(), scale_schedule: bool = False) -> Config:
-    """Load a YAML preset and apply ``key=value`` overrides (`scale_schedule`: from_dict)."""
+def _read_preset(path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -596,7 +599,27 @@ def load(path, overrides=(), scale_schedule: bool = False) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at top level")
     raw.setdefault("name", path.stem)
-    return from_dict(raw, overrides, scale_schedule)
+    return raw
+
+
+def load(path, overrides=(), scale_schedule: bool = False) -> Config:
+    """Load a YAML preset and apply ``key=value`` overrides (`scale_schedule`: from_dict)."""
+    return from_dict(_read_preset(path), overrides, scale_schedule)
+
+
+def load_scaled(path, overrides=()) -> tuple[Config, dict]:
+    """The preset with `overrides` and its schedule scaled (`scale_schedule_of`), and what
+    the scaling changed, as a run directory records it: {"preset_steps", "steps",
+    "scaled": {"section.key": [the preset's value, the scaled one]}}; {} when it changed
+    nothing (a run as long as the preset's, or every key set on the command line)."""
+    raw = _read_preset(path)
+    plain, cfg = from_dict(raw, overrides), from_dict(raw, overrides, scale_schedule=True)
+    value = lambda c, sec, key: getattr(getattr(c, sec), key)  # noqa: E731
+    scaled = {f"{sec}.{key}": [value(plain, sec, key), value(cfg, sec, key)]
+              for sec, key in SCHEDULE_STEPS if value(plain, sec, key) != value(cfg, sec, key)}
+    if not scaled:
+        return cfg, {}
+    return cfg, {"preset_steps": _preset_steps(raw), "steps": cfg.train.steps, "scaled": scaled}
 
 
 def loads(text: str, overrides=()) -> Config:

@@ -1,6 +1,7 @@
 """A run directory as training writes it: the one-writer lock, config.yaml (checked against
-the config on resume and kept), metrics.jsonl with TensorBoard events beside it, and the
-checkpoints (restore, save in the background, wait for the saves). No model or step here:
+the config on resume and kept), schedule.json (how --scale-schedule scaled the run's
+schedule, if it did), metrics.jsonl with TensorBoard events beside it, and the checkpoints
+(restore, save in the background, wait for the saves). No model or step here:
 dsattn.trainstep builds those, dsattn.train's loop drives both.
 
 In a multi-process job only process 0 (`primary`) writes the files besides the checkpoints
@@ -17,11 +18,60 @@ import time
 import warnings
 from pathlib import Path
 
-from dsattn import checkpoint, runlog, tblog, tokenizer
+from dsattn import checkpoint, config, runlog, tblog, tokenizer
 from dsattn.config import Config, Kind, keys_of, with_values
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked
 from dsattn.tokenizer import TOKENIZER_FILE
 from dsattn.trainstep import make_schedule
+
+
+SCHEDULE_FILE = "schedule.json"  # config.load_scaled's record of a scaled schedule
+
+
+def load_config(path, overrides=(), run_dir=None, *, scale_schedule: bool = False
+                ) -> tuple[Config, Path, dict]:
+    """(cfg, run_dir, record) of scripts/train.py: the preset at `path` with `overrides`,
+    trained in `run_dir` (default runs/<config name>); `scale_schedule`: its schedule scaled
+    to train.steps (config.load_scaled), `record` what that scaled ({}: nothing).
+
+    A run's scaled schedule is part of what it trained with: when `run_dir` records one
+    (SCHEDULE_FILE), a rerun with --scale-schedule keeps the values the run trained with
+    (its config.yaml) for the keys the record scaled and the command line does not set, so
+    rerunning with more steps resumes with the same warm-ups instead of rescaling them (the
+    indexer's is a model key: a resume refuses another value). `record` is then the run's
+    own. A rerun without --scale-schedule whose values differ is refused, naming them."""
+    cfg, record = (config.load_scaled(path, overrides) if scale_schedule
+                   else (config.load(path, overrides), {}))
+    run_dir = Path(run_dir or f"runs/{cfg.name}")
+    trained = _read_schedule(run_dir)
+    saved = checkpoint.saved_config(run_dir) if trained else None
+    if not saved:
+        return cfg, run_dir, record
+    keys = [tuple(k.split(".", 1)) for k in trained["scaled"]]
+    if not scale_schedule:
+        value = lambda sec, key: getattr(getattr(cfg, sec), key)  # noqa: E731
+        differ = [f"{sec}.{key} {saved[sec][key]} -> {value(sec, key)}" for sec, key in keys
+                  if value(sec, key) != saved.get(sec, {}).get(key, value(sec, key))]
+        if differ:
+            raise ConfigError(
+                f"{run_dir} was trained with --scale-schedule ({trained['steps']} of the "
+                f"preset's {trained['preset_steps']} steps); without it this run would "
+                f"change {', '.join(differ)}: rerun with --scale-schedule (it keeps the "
+                f"values the run trained with)")
+        return cfg, run_dir, {}
+    given = config.overridden_keys(overrides)
+    kept = {(sec, key): saved[sec][key] for sec, key in keys
+            if (sec, key) not in given and key in saved.get(sec, {})}
+    return with_values(cfg, kept), run_dir, trained
+
+
+def _read_schedule(run_dir) -> dict:
+    path = Path(run_dir) / SCHEDULE_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # none (the common case), or unreadable: no record
+        return {}
+    return record if isinstance(record, dict) and isinstance(record.get("scaled"), dict) else {}
 
 
 def keep_tokenizer(run_dir, tokenizer: Path | None) -> None:
@@ -42,10 +92,12 @@ class RunDir:
     until `release`, and again from `acquire` to `release` (a loop's run: `held`): a second
     writer gets RunDirLocked. Construction checks `cfg` against the saved config.yaml
     (CheckpointMismatch) and reads it (`saved_config`, None for a new run); it releases the
-    lock if that fails."""
+    lock if that fails. `schedule`: how the run's schedule was scaled (load_config's
+    record), written beside config.yaml at `start`."""
 
-    def __init__(self, path, cfg: Config, *, primary: bool = True):
+    def __init__(self, path, cfg: Config, *, primary: bool = True, schedule: dict | None = None):
         self.path, self.cfg, self.primary = Path(path), cfg, primary
+        self.schedule = schedule or {}
         self._lock = checkpoint.RunDirLock(self.path) if primary else _NoLock()
         try:
             checkpoint.check_compatible(self.path, cfg)
@@ -122,6 +174,8 @@ class RunDir:
             self.log({"step": step, "time": time.time(), "exact_resume": False,
                       "changed": changed})
         checkpoint.save_config(self.path, self.cfg)
+        if self.schedule:
+            runlog.atomic_write(self.path / SCHEDULE_FILE, json.dumps(self.schedule) + "\n")
         keep_tokenizer(self.path, self.cfg.data.source.tokenizer)
 
     # -- while a loop runs ----------------------------------------------------------------

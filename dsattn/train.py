@@ -223,7 +223,8 @@ class Trainer(Loop):
     Resuming with other schedule values (train.steps, warmup_steps, lr, min_lr_ratio) than the
     run directory's config.yaml, e.g. extending a finished run, warns naming old and new values
     and the learning rate's jump at the resume step: the schedule is rebuilt for the new
-    values, not kept. Resuming with other Kind.DATA_ORDER values (batch size, sequence length,
+    values, not kept (`schedule`: how --scale-schedule scaled it, rundir.load_config's
+    record, kept in the run directory). Resuming with other Kind.DATA_ORDER values (batch size, sequence length,
     seed, data source or split) warns naming them and appends a record to metrics.jsonl,
     {"step", "time", "exact_resume": false, "changed": {key: [old, new]}}: the run no longer
     continues as an uninterrupted one would (config.yaml keeps only the new values). With
@@ -231,13 +232,15 @@ class Trainer(Loop):
     """
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
-                 progress_every: int | None = None, explicit_vocab: bool = False):
+                 progress_every: int | None = None, explicit_vocab: bool = False,
+                 schedule: dict | None = None):
         # a token directory's vocab, before any model, unless the user set model.vocab_size
         cfg = data.with_source_vocab(cfg, explicit_vocab)
         mesh = sharding.make_mesh(cfg)
         mesh = mesh if mesh.size > 1 else None  # None: one device, nothing sharded
         # locked before anything is read or written; process 0 writes the run's files
-        self.rundir = rundir.RunDir(run_dir, cfg, primary=jax.process_index() == 0)
+        self.rundir = rundir.RunDir(run_dir, cfg, primary=jax.process_index() == 0,
+                                    schedule=schedule)
         try:
             self.corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
             step_fn, params, opt_state = trainstep.init(cfg, mesh)

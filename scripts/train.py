@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import baseline, cli, config, sharding, train  # noqa: E402
+from dsattn import baseline, cli, config, rundir, sharding, train  # noqa: E402
 
 
 def main(argv=None):
@@ -37,15 +37,18 @@ def main(argv=None):
     ap.add_argument("--scale-schedule", action="store_true",
                     help="a train.steps override shorter than the preset's scales its "
                          "warmup_steps, indexer.dense_warmup_steps and eval_every by the same "
-                         "factor (those not overridden too)")
+                         "factor (those not overridden too); the run directory records it "
+                         "(schedule.json), and a rerun with more steps keeps the values the "
+                         "run trained with")
     cli.progress_option(ap)
     args = cli.parse(ap, argv)
     sharding.initialize_distributed()  # before jax touches a device
-    cfg = config.load(args.config, args.overrides, scale_schedule=args.scale_schedule)
-    run_dir = Path(args.run_dir or f"runs/{cfg.name}")
+    cfg, run_dir, scaled = rundir.load_config(args.config, args.overrides, args.run_dir,
+                                              scale_schedule=args.scale_schedule)
     trainer = train.Trainer(cfg, run_dir, quiet=args.quiet, strict=args.strict,
                             progress_every=args.progress_every, explicit_vocab=(
-                                "model", "vocab_size") in config.overridden_keys(args.overrides))
+                                "model", "vocab_size") in config.overridden_keys(args.overrides),
+                            schedule=scaled)
     print(trainer.summary(), flush=True)
     out = trainer.run()
     print(f"step {out['step']}: validation loss "

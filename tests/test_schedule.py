@@ -46,3 +46,61 @@ def test_a_trainer_warns_once_at_start_naming_the_keys(tmp_path):
     assert len(short) == 1
     assert "train.warmup_steps=30" in short[0] and "train.eval_every=100" in short[0]
     assert "--scale-schedule" in short[0]
+
+
+def test_a_scaled_run_resumes_with_more_steps_and_its_warmups_as_trained(tmp_path):
+    """--scale-schedule at 200 of the preset's 20000 steps, rerun at 300: the run directory
+    records the scaling, and the rerun keeps the warm-ups it trained with (it once refused:
+    indexer.dense_warmup_steps 5 -> 8 is a model key)."""
+    import json
+
+    import pytest
+
+    from dsattn import rundir
+    from dsattn.errors import ConfigError
+
+    run = tmp_path / "run"
+    cfg, where, record = rundir.load_config(SMALL_V41, ["train.steps=200"], run,
+                                            scale_schedule=True)
+    assert where == run and record == {
+        "preset_steps": 20000, "steps": 200,
+        "scaled": {"train.warmup_steps": [1000, 10], "indexer.dense_warmup_steps": [500, 5],
+                   "train.eval_every": [1000, 10]}}
+    rd = rundir.RunDir(run, cfg, schedule=record)
+    rd.start(0, {})
+    rd.release()
+    assert json.loads((run / rundir.SCHEDULE_FILE).read_text()) == record
+    more, _, again = rundir.load_config(SMALL_V41, ["train.steps=300"], run,
+                                        scale_schedule=True)
+    assert more.train.steps == 300 and again == record  # the record stays the first scaling
+    assert (more.train.warmup_steps, more.indexer.dense_warmup_steps,
+            more.train.eval_every) == (10, 5, 10)
+    rundir.RunDir(run, more).release()  # no CheckpointMismatch
+    # a key set on the command line is the user's (here a validation interval)
+    other, _, _ = rundir.load_config(SMALL_V41, ["train.steps=300", "train.eval_every=30"],
+                                     run, scale_schedule=True)
+    assert other.train.eval_every == 30 and other.indexer.dense_warmup_steps == 5
+    # without the flag, the rerun is told what the run was trained with
+    with pytest.raises(ConfigError, match=r"--scale-schedule.*dense_warmup_steps 5 -> 500"):
+        rundir.load_config(SMALL_V41, ["train.steps=300"], run)
+    # the default run directory is runs/<name>
+    assert rundir.load_config(SMALL_V41, ["train.steps=200"])[1].as_posix() == "runs/v41"
+
+
+def test_a_mismatched_resume_names_every_difference(tmp_path):
+    """Every model key that differs, in one error (it once named only the first)."""
+    import pytest
+
+    from dsattn import checkpoint
+    from dsattn.errors import CheckpointMismatch
+
+    checkpoint.save_config(tmp_path, config.load(SMALL_V41, ["train.steps=200"],
+                                                 scale_schedule=True))
+    other = config.load(SMALL_V41, ["train.steps=300", "model.d_model=512"],
+                        scale_schedule=True)
+    with pytest.raises(CheckpointMismatch) as e:
+        checkpoint.check_compatible(tmp_path, other)
+    text = str(e.value)
+    assert "model.d_model=768" in text and "model.d_model=512" in text
+    assert "indexer.dense_warmup_steps=5" in text and "indexer.dense_warmup_steps=8" in text
+    assert "2 keys differ" in text
