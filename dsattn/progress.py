@@ -65,6 +65,14 @@ class Progress:
         elif self.plain and (self.n % self.every == 0 or self.n >= self.total):
             print(self.line(fields or {}), file=self.stream, flush=True)
 
+    def write(self, text: str) -> None:
+        """A line of its own: above the bar on a terminal, among the plain lines elsewhere;
+        nothing when quiet."""
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        elif self.plain:
+            print(text, file=self.stream, flush=True)
+
     def note(self, text: str) -> None:
         """What the bar is at (e.g. the sweep's run in progress); not part of plain lines."""
         if self.bar is not None:

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ from dsattn.config import Config
 from dsattn.errors import ConfigError, NonFiniteLoss, RunDirLocked  # noqa: F401  (re-exported)
 from dsattn.model import Transformer
 from dsattn.trainstep import loss_fn, make_optimizer, make_schedule  # noqa: F401  (public)
+
+
+FIRST_STEPS = 3  # a run says its compile time and pace after this many steps
 
 
 class Loop:
@@ -146,24 +150,29 @@ class Loop:
 
     def _run(self, target: int, caught: list) -> list[dict]:
         # compiled ahead, so compile time is not step time
+        t0 = time.perf_counter()
         step_fn = self.trainstep.compiled(self.params, self.opt_state, self.batch_at(self.step),
                                           self.step)
+        compile_s = time.perf_counter() - t0
         n = len(self.rundirs)
         desc = f"train {self.cfg.name}" + (f" x{n} seeds" if n > 1 else "")
         bar = progress.Progress(target, initial=self.step, desc=desc,
                                 every=self.progress_every, quiet=self.quiet)
         try:
-            return self._steps(step_fn, target, caught, bar)
+            return self._steps(step_fn, target, caught, bar, compile_s)
         finally:
             bar.close()  # before any error's line: not on the bar's line
 
-    def _steps(self, step_fn, target: int, caught: list, bar: progress.Progress) -> list[dict]:
+    def _steps(self, step_fn, target: int, caught: list, bar: progress.Progress,
+               compile_s: float) -> list[dict]:
         t, runs = self.cfg.train, self.rundirs
         tokens_per_step = t.batch_size * t.seq_len  # of each run
         rate = flops.TrainingRate(self.cfg, 1 if self.mesh is None else self.mesh.size)
         vals = None
         start = self.step
         step_s, steps_timed = 0.0, 0  # steps since the last record: no compile, eval or saves
+        first = min(FIRST_STEPS, target - start)  # the pace said once these are done
+        first_s = 0.0
         while self.step < target and not caught:
             t0 = time.perf_counter()
             self.params, self.opt_state, metrics = step_fn(
@@ -171,6 +180,14 @@ class Loop:
             metrics = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}  # waits
             step_s += time.perf_counter() - t0
             steps_timed += 1
+            if self.step - start < first:
+                first_s += time.perf_counter() - t0
+                if self.step - start + 1 == first:  # the cost, before waiting for the ETA
+                    pace = first_s / first
+                    bar.write(f"{bar.desc} compiled in {compile_s:.1f} s; {pace:.3g} s/step "
+                              f"over its first {first} steps, about "
+                              f"{progress.duration(pace * (target - start))} for the "
+                              f"{target - start} steps")
             for rd, loss in zip(runs, metrics["loss"]):
                 if not math.isfinite(loss):
                     self._finish_saves()
@@ -375,6 +392,60 @@ def warn_short_schedule(cfg: Config) -> None:
             + ": the run ends inside its warm-up or before its first validation; "
               "scripts/train.py --scale-schedule scales them to the run's length (or set "
               "them)")
+
+
+def estimate(cfg: Config, run_dir=None, *, timed_steps: int = 3,
+             explicit_vocab: bool = False) -> dict:
+    """What training `cfg` costs, before it starts: a Trainer in a scratch directory compiles
+    its step, times `timed_steps` steps (compiled ahead, as a run's are) and a validation
+    (once to compile it, once timed). `run_dir` is only read, for the step a rerun would
+    resume from (its newest checkpoint's; nothing is taken, written or restored there).
+    Returns {compile_s (step and validation), step_s, tokens_per_s, eval_s, start, steps,
+    evals, seconds}: seconds = (steps - start) x step_s + evals x eval_s + compile_s;
+    checkpoint writes are not in it."""
+    import tempfile
+
+    t = cfg.train
+    saved = Path(run_dir or "-") / "checkpoints"
+    done = [int(p.name) for p in saved.iterdir() if p.name.isdigit()] if saved.is_dir() else []
+    start = min(max(done, default=0), t.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(cfg, Path(tmp) / "run", quiet=True, explicit_vocab=explicit_vocab)
+        t0 = time.perf_counter()
+        step_fn = tr.trainstep.compiled(tr.params, tr.opt_state, tr.batch_at(0), 0)
+        compile_s = time.perf_counter() - t0
+        params, opt_state = tr.params, tr.opt_state
+        t0 = time.perf_counter()
+        for i in range(timed_steps):
+            params, opt_state, metrics = step_fn(params, opt_state, tr.batch_at(i), jnp.int32(i))
+            jax.device_get(metrics)  # waits, as the loop does
+        step_s = (time.perf_counter() - t0) / timed_steps
+        tr.params, tr.opt_state = params, opt_state  # the donated ones are gone
+        t0 = time.perf_counter()
+        tr.validation_losses()  # compiles the evaluation step
+        first_eval_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tr.validation_losses()
+        eval_s = time.perf_counter() - t0
+    # validations: every eval_every steps and at the last one (Loop._steps)
+    evals = t.steps // t.eval_every - start // t.eval_every + bool(t.steps % t.eval_every)
+    evals = evals if start < t.steps else 0
+    compile_s += max(first_eval_s - eval_s, 0.0)
+    return {"compile_s": compile_s, "step_s": step_s,
+            "tokens_per_s": t.batch_size * t.seq_len / step_s, "eval_s": eval_s,
+            "start": start, "steps": t.steps, "evals": evals,
+            "seconds": (t.steps - start) * step_s + evals * eval_s + compile_s}
+
+
+def estimate_line(cfg: Config, e: dict) -> str:
+    """`estimate`'s figures as one line."""
+    left = e["steps"] - e["start"]
+    where = (f"from step {e['start']} of {e['steps']}: " if e["start"] else "")
+    return (f"estimate for {cfg.name}: compiled in {e['compile_s']:.1f} s; {e['step_s']:.3g} "
+            f"s/step, {e['tokens_per_s']:,.0f} tokens/s; a validation {e['eval_s']:.3g} s; "
+            f"{where}{left} steps x {e['step_s']:.3g} s + {e['evals']} validations x "
+            f"{e['eval_s']:.3g} s + compiles: about {progress.duration(e['seconds'])} "
+            f"{'left' if e['start'] else 'for the run'} (checkpoint writes extra)")
 
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,

@@ -2,11 +2,13 @@
 """Train a preset on its data (default: the embedded stdlib corpus).
 
     python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet] [--strict]
-        [--scale-schedule]
+        [--scale-schedule] [--estimate]
 
 It prints the run's parameters, vocabulary (a token directory's: its tokenizer's, unless
 model.vocab_size is set), tokens per step and schedule at its start, and the validation loss
-beside the corpus's unigram baseline and in bits per byte at its end.
+beside the corpus's unigram baseline and in bits per byte at its end. Once its first steps
+are done it says its compile time, their s/step and about how long its steps take;
+--estimate says that (and the validations' share) before anything runs, then stops.
 
 Rerunning the same command resumes from the run directory's latest checkpoint. The run
 directory (default runs/<config name>) holds config.yaml, metrics.jsonl and checkpoints/.
@@ -40,14 +42,22 @@ def main(argv=None):
                          "factor (those not overridden too); the run directory records it "
                          "(schedule.json), and a rerun with more steps keeps the values the "
                          "run trained with")
+    ap.add_argument("--estimate", action="store_true",
+                    help="compile the run's step, time a few steps and a validation, print "
+                         "s/step, tokens/s, the compile time and the run's expected time, and "
+                         "stop (nothing is written to the run directory)")
     cli.progress_option(ap)
     args = cli.parse(ap, argv)
     sharding.initialize_distributed()  # before jax touches a device
     cfg, run_dir, scaled = rundir.load_config(args.config, args.overrides, args.run_dir,
                                               scale_schedule=args.scale_schedule)
+    explicit_vocab = ("model", "vocab_size") in config.overridden_keys(args.overrides)
+    if args.estimate:  # a scratch directory: the run directory is only read
+        print(train.estimate_line(cfg, train.estimate(cfg, run_dir,
+                                                      explicit_vocab=explicit_vocab)))
+        return None
     trainer = train.Trainer(cfg, run_dir, quiet=args.quiet, strict=args.strict,
-                            progress_every=args.progress_every, explicit_vocab=(
-                                "model", "vocab_size") in config.overridden_keys(args.overrides),
+                            progress_every=args.progress_every, explicit_vocab=explicit_vocab,
                             schedule=scaled)
     print(trainer.summary(), flush=True)
     out = trainer.run()

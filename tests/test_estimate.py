@@ -1,0 +1,59 @@
+"""A run's cost before it starts (scripts/train.py --estimate: compile, s/step, tokens/s and
+the whole run's time, nothing written to the run directory) and, in every run, a line with
+its compile time and first steps' pace as soon as they are known."""
+
+import re
+
+import pytest
+
+from dsattn import cli, train
+from tests.helpers import preset
+
+TINY = ["model.n_layers=1", "model.d_model=32", "model.ffn_hidden=64", "train.seq_len=16",
+        "train.batch_size=2", "train.eval_every=2", "train.eval_batches=1",
+        "data.max_bytes=200000"]
+
+
+def _tree(root):
+    """{relative path: (size, mtime)} of every file under root."""
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_says_its_compile_time_and_pace_after_its_first_steps(tmp_path, capsys):
+    cfg = preset("mha", *TINY, "train.steps=4", "train.ckpt_every=4")
+    train.Trainer(cfg, tmp_path / "run", progress_every=2).run()
+    err = capsys.readouterr().err.splitlines()
+    said = [i for i, line in enumerate(err) if "compiled in" in line]
+    assert len(said) == 1, err
+    assert re.fullmatch(r"train mha compiled in \d+\.\d s; \d[\d.]* s/step over its first 3 "
+                        r"steps, about \S+ for the 4 steps", err[said[0]]), err[said[0]]
+    steps = [i for i, line in enumerate(err) if line.startswith("train mha: step")]
+    assert steps[0] < said[0] < steps[1], err  # after step 3, before the last step's line
+    train.Trainer(cfg, tmp_path / "quiet", quiet=True).run()
+    assert "compiled in" not in capsys.readouterr().err
+
+
+def test_estimate_times_the_run_and_leaves_its_directory_alone(tmp_path, capsys):
+    from scripts import train as train_script
+
+    run = tmp_path / "run"
+    argv = ["configs/tiny/mha.yaml", "--run-dir", str(run), "--quiet", *TINY,
+            "train.ckpt_every=2"]
+    with pytest.raises(SystemExit) as e:  # nothing there yet: nothing made
+        cli.run(train_script.main, [*argv, "train.steps=6", "--estimate"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and not run.exists(), out
+    m = re.search(r"compiled in (\d+\.\d) s; ([\d.]+) s/step, ([\d,]+) tokens/s; a validation "
+                  r"[\d.]+ s; 6 steps x [\d.]+ s \+ 3 validations x [\d.]+ s \+ compiles: about "
+                  r"\S+ for the run", out)
+    assert m and float(m[2]) > 0, out
+    with pytest.raises(SystemExit):  # a run at step 2, then an estimate of going on to 6
+        cli.run(train_script.main, [*argv, "train.steps=2"])
+    capsys.readouterr()
+    before = _tree(run)
+    with pytest.raises(SystemExit) as e:
+        cli.run(train_script.main, [*argv, "train.steps=6", "--estimate"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "from step 2 of 6: 4 steps x" in out, out
+    assert _tree(run) == before  # no checkpoint, config or record touched
