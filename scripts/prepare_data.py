@@ -3,11 +3,13 @@
 
     python scripts/prepare_data.py INPUT... -o DIR [--vocab-size 4096 | --tokenizer FILE]
         [--docs file|paragraph|line] [--val-fraction 0.05] [--eos TOKEN] [--force]
+        [--errors strict|replace|skip]
     python scripts/prepare_data.py --dataset NAME [--dataset-config C] [--dataset-split train]
         [--text-field text] -o DIR ...
 
-INPUT: text files or globs (quote them: 'notes/**/*.md'), read as UTF-8. Each file is a
-document; --docs paragraph splits files at blank lines, --docs line makes each non-empty line
+INPUT: text files or globs (quote them: 'notes/**/*.md'), read as UTF-8: every file that is
+not is named in one error (--errors replace reads them with U+FFFD for the undecodable bytes,
+--errors skip leaves them out). Each file is a document; --docs paragraph splits files at blank lines, --docs line makes each non-empty line
 a document. --dataset reads a Hugging Face `datasets` dataset instead (a hub name or a local
 path; needs `pip install datasets`): each row's --text-field is a document.
 
@@ -23,20 +25,25 @@ writes and none of the INPUTs), never any other non-empty DIR. Then:
     python scripts/train.py configs/tiny/v41.yaml data.source=DIR data.max_bytes=0
 
 (model.vocab_size follows the tokenizer; generate.py and eval.py read the run's copy of it).
+Each phase (reading, the tokenizer, tokenizing and writing) prints a line with its counts
+and time; on a terminal a bar shows each one's progress.
 """
 
+import contextlib
 import hashlib
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import cli  # noqa: E402
+from dsattn import cli, progress  # noqa: E402
 
 DOC_MODES = ("file", "paragraph", "line")
+ERRORS = ("strict", "replace", "skip")  # what a file that is not UTF-8 gets
 BATCH_DOCS = 256  # documents per encode_batch call (tokenizers encodes a batch in parallel)
 
 
@@ -58,6 +65,10 @@ def parser():
                     help="the separator token after each document (default <|endoftext|>)")
     ap.add_argument("--force", action="store_true",
                     help="replace an existing token directory (never another non-empty one)")
+    ap.add_argument("--errors", choices=ERRORS, default="strict",
+                    help="files that are not UTF-8: strict (default) names them all and "
+                         "stops, replace reads them with U+FFFD for the undecodable bytes, "
+                         "skip leaves them out")
     ds = ap.add_argument_group("Hugging Face datasets (optional package)")
     ds.add_argument("--dataset", default=None, metavar="NAME",
                     help="read this datasets dataset (hub name or local path) instead of INPUTs")
@@ -89,17 +100,54 @@ def match_inputs(inputs) -> list[Path]:
     return list(out)
 
 
-def file_documents(paths: list[Path], mode: str):
-    """(name, text) of each non-blank document of the files; a name is the file's path
-    relative to the files' common folder (its split survives a move), plus #i within it."""
+def _bar(total: int, desc: str, unit: str) -> progress.Progress:
+    """A phase's bar on a terminal; elsewhere its line (`main`) says it all."""
+    return progress.Progress(total, desc=desc, unit=unit, quiet=not sys.stderr.isatty())
+
+
+def read_files(paths: list[Path], errors: str) -> tuple[list[Path], str]:
+    """(the files to read, the phase's line): every file checked to decode as UTF-8, those
+    that do not named all at once (InputError, `errors` strict), left out (skip) or kept to
+    be read with U+FFFD (replace)."""
     from dsattn.errors import InputError
 
-    root = Path(os.path.commonpath([str(p.parent) for p in paths]))
+    start, size, bad = time.perf_counter(), 0, []
+    bar = _bar(len(paths), "read", "file")
     for p in paths:
+        raw = p.read_bytes()
+        size += len(raw)
         try:
-            text = p.read_text(encoding="utf-8")
+            raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise InputError(f"{p}: not UTF-8 text (byte {e.start})") from None
+            bad.append((p, e.start))
+        bar.update()
+    bar.close()
+    if bad and errors == "strict":
+        raise InputError(
+            f"{len(bad)} of {len(paths)} files are not UTF-8 text: "
+            + ", ".join(f"{p} (byte {at})" for p, at in bad)
+            + "; --errors replace reads them with U+FFFD for the undecodable bytes, "
+              "--errors skip leaves them out")
+    line = (f"read {len(paths):,} files ({size / 1e6:.1f} MB) in "
+            f"{time.perf_counter() - start:.1f} s")
+    if bad:
+        line += f"; {len(bad)} not UTF-8, " + (
+            "left out (--errors skip)" if errors == "skip" else
+            "read with U+FFFD for the undecodable bytes (--errors replace)")
+    if errors == "skip":
+        paths = [p for p in paths if p not in {q for q, _ in bad}]
+    return paths, line
+
+
+def file_documents(paths: list[Path], mode: str, errors: str = "strict", root=None,
+                   done=None):
+    """(name, text) of each non-blank document of the files; a name is the file's path
+    relative to `root` (default: the files' common folder), so its split survives a move,
+    plus #i within it. `errors`: replace decodes what is not UTF-8 with U+FFFD; `done()`,
+    if given, after each file."""
+    root = Path(root or os.path.commonpath([str(p.parent) for p in paths]))
+    for p in paths:
+        text = p.read_bytes().decode("utf-8", "replace" if errors == "replace" else "strict")
         rel = p.relative_to(root).as_posix()
         if mode == "file":
             pieces = [text]
@@ -110,6 +158,8 @@ def file_documents(paths: list[Path], mode: str):
         pieces = [t for t in pieces if t.strip()]
         for i, t in enumerate(pieces):
             yield (rel if mode == "file" else f"{rel}#{i}"), t
+        if done is not None:
+            done()
 
 
 def dataset_documents(args):
@@ -166,34 +216,52 @@ def main(argv=None):
     from dsattn.errors import InputError
 
     if args.dataset:
-        documents, what = (lambda: dataset_documents(args)), f"--dataset {args.dataset}"
+        documents, what = (lambda done=None: dataset_documents(args)), f"--dataset {args.dataset}"
         paths = []
     else:
         paths = match_inputs(args.inputs)
-        documents, what = (lambda: file_documents(paths, args.docs)), " ".join(args.inputs)
+        what = " ".join(args.inputs)
     tokendir.check_output(args.out, args.force, paths)  # before any work
+    if not args.dataset:
+        # names relative to every matched file's folder: a file left out moves no other's split
+        root = os.path.commonpath([str(p.parent) for p in paths])
+        paths, line = read_files(paths, args.errors)
+        print(line, flush=True)
+
+        def documents(done=None):
+            return file_documents(paths, args.docs, args.errors, root, done)
 
     # Pass 1: the documents' names (the split), their content hashes and, unless given, the
     # tokenizer.
     names, digests = [], []
+    start = time.perf_counter()
+    bar = _bar(len(paths), "tokenizer", "file") if paths else None
 
     def texts():
-        for name, text in documents():
+        for name, text in documents(bar and bar.update):
             names.append(name)
             digests.append(hashlib.sha256(text.encode("utf-8")).digest())
             yield text
 
-    if args.tokenizer is not None:
-        tok = tokenizer.HFTokenizer.from_file(args.tokenizer, args.eos)
-        for _ in texts():
-            pass
-    else:
-        tok = tokenizer.train_bpe(texts(), args.vocab_size, args.eos)
+    try:
+        if args.tokenizer is not None:
+            tok = tokenizer.HFTokenizer.from_file(args.tokenizer, args.eos)
+            for _ in texts():
+                pass
+            doing = f"{args.tokenizer} ({tok.vocab_size:,} tokens); read"
+        else:
+            tok = tokenizer.train_bpe(texts(), args.vocab_size, args.eos)
+            doing = f"trained a BPE of {tok.vocab_size:,} tokens on"
+    finally:
+        if bar is not None:
+            bar.close()
     if not names:
         raise InputError(f"{what}: empty corpus (no document with text)")
     if len(names) < 2:
         raise InputError(f"{what}: one document cannot be split into train and validation "
                          f"(--docs paragraph or line splits files into more)")
+    print(f"tokenizer: {doing} {len(names):,} documents in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
     val = {i for i, n in enumerate(names) if data.is_val_file(n, args.val_fraction)}
     if not val:  # keep both sides non-empty whatever the hash says
         val = {len(names) - 1}
@@ -206,7 +274,10 @@ def main(argv=None):
 
     # Pass 2: encode and write, documents in order.
     text_bytes = {"train": 0, "val": 0}
-    with tokendir.Writer(args.out, tok.vocab_size, tok.eos_id, force=args.force) as w:
+    start = time.perf_counter()
+    bar = _bar(len(names), "tokenize and write", "document")
+    with tokendir.Writer(args.out, tok.vocab_size, tok.eos_id, force=args.force) as w, \
+            contextlib.closing(bar):  # closed before an error's line
         batch = []
 
         def flush():
@@ -215,6 +286,7 @@ def main(argv=None):
                 split = "val" if i in val else "train"
                 w.add(split, doc)
                 text_bytes[split] += len(t.encode("utf-8"))
+            bar.update(len(batch))
             batch.clear()
 
         for i, (name, text) in enumerate(documents()):
@@ -232,6 +304,8 @@ def main(argv=None):
 
     tokens = {s: meta["splits"][s][0]["tokens"] for s in ("train", "val")}
     n_bytes = sum(text_bytes.values())
+    print(f"tokenized and wrote {len(names):,} documents ({sum(tokens.values()):,} tokens) in "
+          f"{time.perf_counter() - start:.1f} s")
     print(f"{args.out}: {len(names):,} documents ({len(names) - len(val):,} train, {len(val):,} "
           f"val), {tokens['train']:,} + {tokens['val']:,} {meta['dtype']} tokens, vocab "
           f"{meta['vocab_size']:,}, {n_bytes / max(1, sum(tokens.values())):.2f} bytes/token"

@@ -271,6 +271,35 @@ def test_force_replaces_only_a_token_directory(prepared, tmp_path, capsys):
     assert json.loads((tok / "meta.json").read_text())["val_fraction"] == 0.5  # out's: 0.3
 
 
+def test_every_file_that_is_not_utf8_is_named_at_once_and_errors_decides(tmp_path, capsys):
+    """A corpus with two Latin-1 files: strict (the default) names both in one line, with the
+    count, and writes nothing; --errors skip leaves them out and says how many; --errors
+    replace reads them with U+FFFD. Each phase says what it did, with counts."""
+    src = write_corpus(tmp_path)
+    for name in ("latin_a.txt", "latin_b.txt"):
+        (src / name).write_bytes("café crème, naïveté\n".encode("latin-1") * 20)
+    argv = [src / "*.txt", "--vocab-size", "300", "--val-fraction", "0.3"]
+    status, _, err = run_main(prepare_data.main, [*argv, "-o", tmp_path / "strict"], capsys)
+    assert status == 1 and len(err) == 1, err
+    assert "2 of 15 files are not UTF-8" in err[0] and "latin_a.txt (byte 3)" in err[0] \
+        and "latin_b.txt (byte 3)" in err[0] and "--errors" in err[0], err
+    assert not (tmp_path / "strict").exists()
+    out = prepare(capsys, *argv, "-o", tmp_path / "skip", "--errors", "skip")
+    lines = out.splitlines()
+    assert lines[0].startswith("read 15 files (") and "2 not UTF-8, left out" in lines[0], out
+    assert lines[1].startswith("tokenizer: trained a BPE of ") and "on 13 documents" in lines[1]
+    assert lines[2].startswith("tokenized and wrote 13 documents"), out
+    meta = json.loads((tmp_path / "skip" / "meta.json").read_text())
+    assert sum(s["documents"] for sp in meta["splits"].values() for s in sp) == len(DOCS)
+    out = prepare(capsys, *argv, "-o", tmp_path / "replace", "--errors", "replace")
+    assert "2 not UTF-8, read with U+FFFD" in out.splitlines()[0], out
+    meta = json.loads((tmp_path / "replace" / "meta.json").read_text())
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "replace" / "tokenizer.json"))
+    got = [tok.decode(d, skip_special_tokens=False) for split in ("train", "val")
+           for d in split_documents(shard_tokens(tmp_path / "replace", split), meta["eos_id"])]
+    assert len(got) == len(DOCS) + 2 and sum("caf\ufffd cr\ufffdme" in d for d in got) == 2
+
+
 # ----------------------------------------------------------------- 2. data.source=DIR
 def test_token_directory_corpus_is_the_shards(prepared):
     _, out = prepared
