@@ -75,6 +75,45 @@ def test_auto_takes_the_kernels_for_a_gpu_only_where_they_fit():
     assert registry.resolve(OP, odd, "auto") == registry.Choice("xla")
 
 
+def _queries_by_entries(jaxpr, t: int, n: int) -> int:
+    """How many arrays of a traced program (nested ones included) have a dim of size t and
+    another of size n."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            dims = list(getattr(v.aval, "shape", ()))
+            if t in dims and (dims.remove(t) or n in dims):
+                count += 1
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _queries_by_entries(inner, t, n)
+    return count
+
+
+@pytest.mark.parametrize("name", ["dsa", "v4"])
+def test_the_dense_warm_up_holds_no_array_of_queries_by_entries(name):
+    """DSA's indexer warm-up reads every visible token with its KL target: through the
+    kernels its ids, mass and scores exist one block of queries at a time, never as a
+    [B, T, N] array (at 32K tokens each would be 4 GiB; the compile for an H100 held 21.7
+    GiB). T = 160 tokens of a DSA stack (N = T entries) or 320 of a CSA one at ratio 2
+    (N = 160), in blocks of 8 queries."""
+    t = 160 if name == "dsa" else 320
+    cfg = case("dsa" if name == "dsa" else "csa", FUSED, "model.dtype=bfloat16",
+               "indexer.dense_warmup_steps=10", *(() if name == "dsa" else
+                                                  ("attention.csa_ratio=2",)))
+    graph, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.ShapeDtypeStruct((1, t + 1), jnp.int32)
+
+    def loss(params, tokens):
+        return loss_fn(nnx.merge(graph, params), {"inputs": tokens[:, :-1],
+                                                  "targets": tokens[:, 1:]}, 0)[0]
+
+    jaxpr = jax.jit(jax.grad(loss)).trace(params, tokens).jaxpr.jaxpr
+    assert _queries_by_entries(jaxpr, t, 160) == 0
+
+
 def test_heads_past_the_gpus_shared_memory_take_the_xla_reads():
     """The selected-entries kernel holds every head of a query in one program: 128 heads
     over 576-wide latents (V3.2's shape) need more shared memory than an H100 block has, so

@@ -162,9 +162,24 @@ def adapter(dense, sparse, entry_mass, decode=None):
                                      stored.shape)
             k, v = _entries_kv(read, entries)
             part = dense(q, k, v, k_positions=k_pos, causal=True, k_valid=stored, **common)
-            ids = jnp.where(stored[:, None, :] & reads.visible(pos, glob.stride, n),
-                            jnp.arange(n, dtype=jnp.int32), -1)
-            return finish(part, entries, ids)
+            if read.target is None:
+                return part, ()
+            # every visible entry is a pick: its ids, mass and KL terms exist for one block
+            # of queries at a time ([B, block, N]), never for the whole [B, T, N]
+            lse = _merge([part, *local], read.sink)[1]
+            keys = glob.store.read_all("key", read.dtype)[0]
+
+            def one(start, blk):
+                q_blk, lse_blk, pos_blk, iq, w, ok_rows = blk
+                seen = stored[:, None, :] & reads.visible(pos_blk, glob.stride, n)
+                ids = jnp.where(seen, jnp.arange(n, dtype=jnp.int32), -1)
+                mass = entry_mass(q_blk, entries, ids, lse_blk, scale=read.scale)
+                return (), indexer.kl_terms(indexer.scores(iq, w, keys), mass,
+                                            seen & ok_rows[..., None])
+
+            valid = jnp.ones(pos.shape, bool) if read.valid is None else read.valid
+            return part, blocks.map_queries(one, read.query_block, (
+                q, lse, pos, read.target.q, read.target.w, valid))[1]
 
         def picked():
             entries = glob.store.read_all("entry", read.dtype)[0]
