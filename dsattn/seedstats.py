@@ -4,7 +4,8 @@ interval, and whether two rows differ by more than their seeds spread.
 The interval is Student's t over the row's seeds (mean ± t₀.₉₇₅,ₙ₋₁ · s/√n, s with n - 1
 degrees of freedom), the honest interval for a handful of seeds. Two rows differ beyond
 their seed spread when Welch's 95% interval for the difference of their means excludes 0.
-One seed gives a mean and no interval (NaN): nothing can be said about its spread.
+One seed gives a mean and no interval (NaN): nothing can be said about its spread; two give
+t with 1 degree of freedom, an interval too wide to tell rows apart (`few_seeds` says so).
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ import numpy as np
 from scipy import stats
 
 LEVEL = 0.95
+ENOUGH_SEEDS = 3  # fewer: intervals that say little (two) or none (one)
+
+
+def few_seeds(n: int) -> str | None:
+    """What intervals over `n` seeds mean when n is below ENOUGH_SEEDS; None from it on."""
+    if n >= ENOUGH_SEEDS:
+        return None
+    if n < 2:
+        return "no intervals, so no difference between rows can be told from seed noise"
+    t1, t2 = (float(stats.t.ppf(0.5 + LEVEL / 2, dof)) for dof in (1, 2))
+    return (f"their {LEVEL:.0%} intervals are Student's t with 1 degree of freedom, the mean "
+            f"+-{t1:.1f} x s/sqrt(2) = +-{t1 / math.sqrt(2):.1f} standard deviations of the "
+            f"seeds: too wide to tell rows apart; 3 seeds give +-{t2 / math.sqrt(3):.1f}")
 
 
 def summary(values, within: tuple[float, float] = (-math.inf, math.inf)) -> dict:

@@ -25,7 +25,8 @@ The sweep file (YAML; commented example: examples/csa_ratio_sweep.yaml; docs/abl
     - {name: window, overrides: [attention.layers=swa]}
     - {name: csa_m2, overrides: ["attention.layers=swa, csa", attention.csa_ratio=2]}
   grid: {attention.csa_ratio: [2, 4]}   optional: one more row per combination
-  seeds: [0, 1]                      default [0]
+  seeds: [0, 1, 2]                   default [0]; fewer than 3 warn (2 seeds' intervals are
+                                     Student's t with 1 degree of freedom: +-9 s wide)
   recall: {distances: [2, 16, 62], per_distance: 64, seq_len: 0, through_cache: false}
   recall_warmup: {steps: 200, dist: 8}   the first 200 steps' facts at most 8 tokens back
                                      (a recall data.source; its warm_steps=,warm_dist=
@@ -68,6 +69,7 @@ def main(argv=None):
     sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
     sweep = ablate.select(sweep, args.rows, args.seeds)
     if args.estimate:
+        ablate.warn_few_seeds(sweep)
         print(ablate.estimate_line(sweep, ablate.estimate(sweep)))
         return None
     results = ablate.run(sweep, quiet=args.quiet, progress_every=args.progress_every)

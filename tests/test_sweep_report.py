@@ -123,3 +123,33 @@ def test_the_recall_warmup_has_its_own_key_and_the_old_spelling_reads_the_same()
     with pytest.raises(ConfigError, match="one place"):  # both spellings at once
         ablate.from_dict({**raw, "overrides": [source + ",warm_steps=5"],
                           "recall_warmup": {"steps": 200}}, out="/tmp/u")
+
+
+def test_two_seeds_say_what_their_interval_means():
+    """Two seeds' intervals are Student's t with 1 degree of freedom (mean +- 9.0 s): the
+    table says so under it; three seeds' do not need the line."""
+    two = [run("a", s, 1.0 + s / 10, 1.0, 1.0, 1.0) for s in range(2)]
+    two += [run("b", s, 1.5 + s / 10, 0.5, 1.0, 0.5) for s in range(3)]
+    lines = [line for line in results.table(two).splitlines() if "1 degree of freedom" in line]
+    assert len(lines) == 1 and lines[0].startswith("2 seeds (a):") and "9.0" in lines[0], lines
+    assert "3 seeds give +-2.5" in lines[0]
+    three = [run("a", s, 1.0 + s / 10, 1.0, 1.0, 1.0) for s in range(3)]
+    assert "degree of freedom" not in results.table(three)
+
+
+def test_a_sweep_of_fewer_than_three_seeds_warns_at_its_start(tmp_path, monkeypatch):
+    import pytest
+
+    from dsattn import ablate
+    monkeypatch.setattr(ablate, "_run", lambda *a: [])  # the start alone, nothing trained
+    for seeds, needle in (([0, 1], "2 seeds: their 95% intervals are Student's t with 1 "
+                                   "degree of freedom"),
+                          ([0], "1 seed: no intervals")):
+        sweep = ablate.from_dict({**yaml_sweep(), "seeds": seeds}, out=str(tmp_path / "s"))
+        with pytest.warns(UserWarning, match=needle):
+            ablate.run(sweep, quiet=True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ablate.run(ablate.from_dict(yaml_sweep(), out=str(tmp_path / "s")), quiet=True)
+

@@ -47,7 +47,7 @@ from pathlib import Path
 import yaml
 
 from dsattn import config as config_lib
-from dsattn import progress
+from dsattn import progress, seedstats
 from dsattn.ablate.full_size import full_size_config  # noqa: F401  (public)
 from dsattn.ablate.measure import (Trained, complete, kv_figures, measure,  # noqa: F401
                                    probes_for)
@@ -264,6 +264,17 @@ def _check_finished(sweep: Sweep) -> None:
                     f"(config or measurements); give another --out or delete it")
 
 
+def warn_few_seeds(sweep: Sweep) -> None:
+    """A sweep of fewer than seedstats.ENOUGH_SEEDS seeds says, before it trains, what its
+    report's intervals will mean."""
+    import warnings
+
+    n = len(sweep.seeds)
+    if n < seedstats.ENOUGH_SEEDS:
+        warnings.warn(f"sweep {sweep.name}: {n} seed{'s' if n > 1 else ''}: "
+                      f"{seedstats.few_seeds(n)} (seeds: [0, 1, 2] or more)", stacklevel=3)
+
+
 def run(sweep, overrides=(), out=None, quiet: bool = False,
         progress_every: int | None = None) -> list[dict]:
     """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results.
@@ -273,6 +284,7 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
     with `progress_every` (every N steps)."""
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
+    warn_few_seeds(sweep)
     _check_finished(sweep)
     # One sweep per directory (the run directories' lock): a second would race this one's
     # runs and overwrite its results.

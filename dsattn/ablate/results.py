@@ -242,6 +242,9 @@ def _notes(rows: dict, left_out: list[str]) -> list[str]:
     kv, full = first.get("kv") or {}, first.get("kv_full") or {}
     out = [f"loss: held-out, {first.get('loss_unit', 'nats per token')}; mean [95% interval "
            f"over seeds, Student's t]"]
+    two = [name for name, rs in rows.items() if len(rs) == 2]
+    if two:  # t with 1 degree of freedom: intervals like [0.0000, 18.4963] around 1.41
+        out.append(f"2 seeds ({', '.join(two)}): {seedstats.few_seeds(2)}")
     if any(rs[0].get("control") for rs in rows.values()):
         out.append("(control): a reference row the others are read against (the sweep "
                    "file's control: true), kept off pareto.png's front")
