@@ -153,3 +153,48 @@ def test_a_sweep_of_fewer_than_three_seeds_warns_at_its_start(tmp_path, monkeypa
         warnings.simplefilter("error")
         ablate.run(ablate.from_dict(yaml_sweep(), out=str(tmp_path / "s")), quiet=True)
 
+
+def _kv(storage, full_window=None):
+    kv = {"storage_bytes_per_token": storage, "storage_bf16_bytes_per_token": storage}
+    return {**kv, "full_window_bytes_per_token": full_window} if full_window else kv
+
+
+def test_pareto_axes_labels_legend_and_an_empty_recall_panel_say_what_they_show():
+    """pareto.png read without its pixels: a 0-byte row alone is on a symlog axis that starts
+    at 0 (it was a linear -0.04..0.04 labelled log), the legend sits below the panels off
+    every axes, an empty recall panel says why, and a full-attention control (a window the
+    whole sequence) stands at its ring bytes per token, not at 0 as window-ring-only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = importlib.import_module("dsattn.ablate.plots")
+    window = [dict(run("window", s, 2.0 + s / 10, 0.1, 2.0, 0.1), kv=_kv(0.0),
+                   recall={"4": 1.0}, control=True) for s in range(3)]
+    fig = plots.pareto_figure(window)
+    ax, ax_r = fig.axes[:2]
+    for a in (ax, ax_r):
+        assert a.get_xscale() == "symlog" and a.get_xlim()[0] >= -1 and a.get_xlim()[1] > 1
+        assert "0 B" in a.get_xlabel() and a.get_legend() is None
+    why = " ".join(t.get_text() for t in ax_r.texts)
+    assert "within" in why and "reach 8" in why, why  # every probed distance is within it
+    plt.close(fig)
+    full = [dict(run("full", s, 1.0 + s / 10, 1.0, 1.0, 1.0), kv=_kv(0.0, 512.0),
+                 control=True) for s in range(3)]
+    csa = [dict(run("csa", s, 1.2 + s / 10, 0.5, 1.0, 0.5), kv=_kv(96.0)) for s in range(3)]
+    fig = plots.pareto_figure(window + full + csa)
+    ax, ax_r = fig.axes[:2]
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "full (control) (full attention at its length: window ring bytes per token)" in labels
+    assert "window (control) (0 B/token: window ring only)" in labels
+    points = {c.get_label(): c.lines[0].get_xydata()[0, 0] for c in ax.containers}
+    assert points[next(lab for lab in labels if lab.startswith("full"))] == 512.0
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    for a in (ax, ax_r):
+        assert not box.overlaps(a.get_tightbbox(renderer)), "the legend covers a panel"
+    assert not ax_r.texts  # recall beyond the reach to show: no note
+    plt.close(fig)

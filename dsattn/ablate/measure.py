@@ -36,6 +36,11 @@ def kv_figures(cfg) -> dict:
            "storage_bytes_per_token": kvbytes.storage_per_token(cfg),
            "storage_bf16_bytes_per_token": kvbytes.storage_per_token(cfg, bf16=True),
            "local_bytes": float(kvbytes.local_bytes(cfg))}
+    if (not out["storage_bytes_per_token"] and window_reach(cfg) is not None
+            and cfg.attention.window >= cfg.train.seq_len):
+        # windows that hold the whole training sequence: full attention at its length, each
+        # token in every layer's ring (drawn there, not at 0, on pareto.png)
+        out["full_window_bytes_per_token"] = out["local_bytes"] / cfg.attention.window
     for tag, ctx in CONTEXTS.items():
         rep = kvbytes.report(cfg, ctx)
         out[f"read_bytes_{tag}"] = float(rep["read_bytes"])

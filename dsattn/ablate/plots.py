@@ -40,11 +40,112 @@ def _band(ax, xs, runs: np.ndarray, colour, label: str) -> None:
                         alpha=0.2)
 
 
+def _colours(rows: dict) -> dict:
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
+    return {name: colours(i % colours.N) for i, name in enumerate(rows)}
+
+
+def _bytes_per_token(first: dict) -> tuple[float, str]:
+    """(x, what it is) of a row on the bytes axis: its global KV bytes per token; a
+    window-only stack stores none, unless its window holds the whole training sequence
+    (full attention at its length: every token's ring bytes, measure.kv_figures)."""
+    kv = first["kv"]
+    x = kv["storage_bytes_per_token"]
+    if x > 0:
+        return x, ""
+    if kv.get("full_window_bytes_per_token"):
+        return (kv["full_window_bytes_per_token"],
+                " (full attention at its length: window ring bytes per token)")
+    return x, " (0 B/token: window ring only)"
+
+
+def _why_no_recall_beyond(rows: dict) -> str:
+    """Why no row has recall beyond its window reach (the empty panel's note)."""
+    firsts = [rs[0] for rs in rows.values()]
+    if not all("reach" in r for r in firsts):
+        return "no window reach recorded with these results:\nrecall is not split at it"
+    reach = [r["reach"] for r in firsts if r["reach"] is not None]
+    top = max((int(d) for r in firsts for d in r.get("recall") or {}), default=None)
+    if top is None:
+        return "no recall probes in these results"
+    return (f"every probed distance (up to {top}) is within\neach row's window reach"
+            + (f" (reach {min(reach)} and more)" if reach else " (no window: all of them)")
+            + ":\nno recall beyond it to show")
+
+
+def pareto_figure(results: list[dict]):
+    """The figure of pareto.png: held-out loss and recall beyond the window's reach against
+    KV bytes per token, one colour per row (means, 95% intervals over seeds), the Pareto
+    front of the loss, one legend below both panels. 0 B sits on a linear stretch at the
+    left of a symlog axis; an empty recall panel says why."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = by_row(results)
+    col, summaries = _colours(rows), row_summaries(results)
+    unit = next(iter(rows.values()))[0].get("loss_unit", "nats per token")
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(13, 6.5), layout="constrained")
+    xs, pts, shown = {}, [], False
+    for name, rs in rows.items():
+        xs[name], what = _bytes_per_token(rs[0])
+        y = summaries[name]["val_loss"]
+        pts.append({"x": xs[name], "y": y})
+        err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
+        label = name + (" (control)" if rs[0].get("control") else "") + what
+        ax.errorbar(xs[name], y["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
+                    label=label)
+        b = summaries[name].get("recall_beyond")
+        if b and b["n"]:
+            err = None if np.isnan(b["lo"]) else [[b["mean"] - b["lo"]], [b["hi"] - b["mean"]]]
+            ax_r.errorbar(xs[name], b["mean"], yerr=err, fmt="o", color=col[name], capsize=3)
+            shown = True
+    front, near = front_of(pts, [bool(rs[0].get("control")) for rs in rows.values()])
+    if front:
+        ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--",
+                lw=1, label="Pareto front (means; controls off it)")
+        ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
+                   facecolors="none", edgecolors="k")
+    if near:
+        ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
+                   facecolors="none", edgecolors="grey", linestyles="dotted",
+                   label="interval reaches the front")
+    positive = [x for x in xs.values() if x > 0]
+    for a in (ax, ax_r):
+        if len(positive) < len(xs):  # 0 has no place on a log axis: a linear stretch for it
+            lin = min(positive, default=1.0)
+            a.set_xscale("symlog", linthresh=lin)
+            a.set_xlim(-0.5 * lin, 3 * max(positive, default=3 * lin))
+            a.set_xlabel(f"KV storage per token (bytes; run's own config and formats)\n"
+                         f"log scale above {lin:g} B, linear below it down to 0 B")
+        else:
+            a.set_xscale("log")
+            a.set_xlabel("KV storage per token (bytes, log scale; run's own config and "
+                         "formats)")
+    ax.set_ylabel(f"held-out loss ({unit})")
+    ax.set_title("held-out loss vs KV bytes per token\n(mean, bars: 95% interval over seeds)")
+    ax_r.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":")
+    ax_r.set_ylabel("recall beyond the row's window reach (mean over those distances)")
+    ax_r.set_ylim(-0.02, 1.02)
+    ax_r.set_title("recall beyond the window's reach vs KV bytes per token\n"
+                   "(mean, bars: 95% interval over seeds; dotted: chance)")
+    if not shown:
+        ax_r.text(0.5, 0.5, _why_no_recall_beyond(rows), transform=ax_r.transAxes,
+                  ha="center", va="center", fontsize=10, color="dimgrey")
+    # below both panels (the same rows in both): never over a point
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)),
+               fontsize=7, frameon=False)
+    return fig
+
+
 def plots(out, results: list[dict]) -> list[Path]:
-    """pareto.png (loss, and recall beyond the window's reach, against KV bytes per token;
-    window-only rows at 0), recall.png (by distance, each row's window reach marked),
-    curves.png: one colour per row, the mean over seeds and its 95% interval (seedstats;
-    none with one seed)."""
+    """pareto.png (`pareto_figure`), recall.png (by distance, each row's window reach
+    marked), curves.png: one colour per row, the mean over seeds and its 95% interval
+    (seedstats; none with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,55 +154,9 @@ def plots(out, results: list[dict]) -> list[Path]:
     out, rows = Path(out), by_row(results)
     if not rows:
         return []
-    colours = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
-    col = {name: colours(i % colours.N) for i, name in enumerate(rows)}
-    summaries = row_summaries(results)
-    paths = []
-
+    col = _colours(rows)
+    paths = [_save(pareto_figure(results), out / "pareto.png", layout=False)]
     unit = next(iter(rows.values()))[0].get("loss_unit", "nats per token")
-    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(13, 5.5))
-    xs = {name: rs[0]["kv"]["storage_bytes_per_token"] for name, rs in rows.items()}
-    pts = []
-    for name, rs in rows.items():
-        y = summaries[name]["val_loss"]
-        pts.append({"x": xs[name], "y": y})
-        err = None if np.isnan(y["lo"]) else [[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]]
-        # a window-only stack stores nothing per token: drawn at 0 on the linear stretch
-        label = name + (" (control)" if rs[0].get("control") else "") + (
-            " (0 B/token: window ring only)" if xs[name] <= 0 else "")
-        ax.errorbar(xs[name], y["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
-                    label=label)
-        b = summaries[name].get("recall_beyond")
-        if b and b["n"]:
-            err = None if np.isnan(b["lo"]) else [[b["mean"] - b["lo"]], [b["hi"] - b["mean"]]]
-            ax_r.errorbar(xs[name], b["mean"], yerr=err, fmt="o", color=col[name], capsize=3,
-                          label=label)
-    front, near = front_of(pts, [bool(rs[0].get("control")) for rs in rows.values()])
-    ax.plot([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], "k--", lw=1,
-            label="Pareto front (means; controls off it)")
-    ax.scatter([pts[i]["x"] for i in front], [pts[i]["y"]["mean"] for i in front], s=160,
-               facecolors="none", edgecolors="k")
-    if near:
-        ax.scatter([pts[i]["x"] for i in near], [pts[i]["y"]["mean"] for i in near], s=160,
-                   facecolors="none", edgecolors="grey", linestyles="dotted",
-                   label="interval reaches the front")
-    positive = [x for x in xs.values() if x > 0]
-    for a in (ax, ax_r):
-        if positive and len(positive) < len(xs):  # 0 has no place on a log axis
-            a.set_xscale("symlog", linthresh=min(positive))
-        elif positive:
-            a.set_xscale("log")
-        a.set_xlabel("KV storage per token (bytes, log scale; run's own config and formats)")
-        if a.get_legend_handles_labels()[0]:  # no recall beyond any reach: nothing to label
-            a.legend(fontsize=7, ncol=2)
-    ax.set_ylabel(f"held-out loss ({unit})")
-    ax.set_title("held-out loss vs KV bytes per token\n(mean, bars: 95% interval over seeds)")
-    ax_r.axhline(results[0].get("recall_chance", recall.CHANCE), color="grey", ls=":")
-    ax_r.set_ylabel("recall beyond the row's window reach (mean over those distances)")
-    ax_r.set_ylim(-0.02, 1.02)
-    ax_r.set_title("recall beyond the window's reach vs KV bytes per token\n"
-                   "(mean, bars: 95% interval over seeds; dotted: chance)")
-    paths.append(_save(fig, out / "pareto.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, rs in rows.items():
@@ -142,8 +197,9 @@ def plots(out, results: list[dict]) -> list[Path]:
     return paths
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig, path: Path, layout: bool = True) -> Path:
+    if layout:  # (a figure with a layout engine of its own lays itself out)
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
