@@ -14,8 +14,11 @@ says which implementation each op resolved to, and why not a kernel):
     decode       one decode step at batch 1, at 32K and at 128K cached tokens
     decode_max   the decode step at the largest batch whose compiled program fits the chip
                  (memory at batch 1 and 2, extrapolated, then compiled at that batch)
+    decode_flat  the decode step at batch 1 and 32K with its layers unrolled
+                 (model.scan_layers=false): no loop, so a TPU's cost model holds for it
     train_max    the training step at 8192 tokens a row, at the largest batch that fits (as
-                 decode_max; not in the default set: a training compile costs minutes)
+                 decode_max)
+                 (decode_flat and train_max are not in the default set)
     serve        the serving scheduler's programs over 8 rows of a 32K cache: the step that
                  decodes every row (width 1), a prefill chunk of 64 over one row's sub-batch,
                  per-row sampling and clearing rows
@@ -173,8 +176,9 @@ def serve(cfg, devices, rows: int, context: int, mesh: bool):
     return out
 
 
-PROGRAMS = ("train", "train_long", "prefill", "decode", "decode_max", "serve", "train_max")
-DEFAULT_PROGRAMS = PROGRAMS[:-1]
+PROGRAMS = ("train", "train_long", "prefill", "decode", "decode_max", "serve", "decode_flat",
+            "train_max")
+DEFAULT_PROGRAMS = PROGRAMS[:-2]
 
 
 # -- compiling and reading the result --------------------------------------------------------
@@ -361,6 +365,11 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
         if spec.program == "decode":
             return [row("decode", lambda: built(decode, cfg, devices, spec.batch, spec.length,
                                                 spec.mesh), spec.batch, spec.length)]
+        if spec.program == "decode_flat":  # unrolled: no loop, so a TPU's cost model holds
+            flat = config.with_values(cfg, {("model", "scan_layers"): False})
+            return [row("decode_flat", lambda: built(decode, flat, devices, spec.batch,
+                                                     spec.length, spec.mesh),
+                        spec.batch, spec.length)]
         if spec.program in ("decode_max", "train_max"):
             found = {}
             program = decode if spec.program == "decode_max" else train
@@ -399,6 +408,8 @@ def specs(presets, impls, programs, mesh: bool) -> list[Spec]:
                     out.append(Spec(preset, impl, program, 1, 32768, mesh))
                 elif program == "decode":
                     out.extend(Spec(preset, impl, program, 1, c, mesh) for c in CONTEXTS)
+                elif program == "decode_flat":
+                    out.append(Spec(preset, impl, program, 1, CONTEXTS[0], mesh))
                 elif program == "decode_max":
                     out.extend(Spec(preset, impl, program, 0, c, mesh) for c in CONTEXTS)
                 elif program == "train_max":
