@@ -1,8 +1,8 @@
 """KV-cache report: storage per token, local window, crossover and reads per decode step,
 beside model FLOPs per token.
 
-    python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out runs/kv_report]
-        [--force] [KEY=VALUE ...]
+    python scripts/kv_report.py CONFIG_OR_RUN_DIR ... [--context 128K] [--out DIR] [--force]
+        [KEY=VALUE ...]
 
 Prints one row per config (the byte accounting of dsattn.kvbytes; docs/design.md, "Byte
 accounting"): a YAML preset (row named by its config name) or a run directory (its
@@ -12,11 +12,12 @@ csa_m2/seed0). A row may carry its own overrides and name:
     python scripts/kv_report.py configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2 \
         configs/deepseek/v4_flash.yaml=csa4     # V4-Flash at m=2 against its own m=4
 
-Columns (N = --context):
+Columns (N = --context; default 128K for presets, and with a run directory among the rows
+the longest model.max_seq_len of the rows, a run's own context):
   B/token             global cache bytes one token adds, in the configured cache formats
   B/token BF16        the same with every native value stored in bf16
   vs                  the reference's B/token over the row's (the reference: the first row
-                      named mha*, else the largest)
+                      named mha*, else the largest; not shown for a single row)
   local               the sliding-window cache of one sequence (V4 family; "-": none)
   crossover           the context at which the global cache (B/token x context) is as large
                       as the window's: below it the window holds most of the memory
@@ -29,7 +30,8 @@ Columns (N = --context):
                       (both from dsattn.flops: matmuls only, MoE out of scope, the presets'
                       FFN as configured; in brackets their attention and indexer part)
 
-Writes into --out (an existing non-empty folder only with --force):
+With --out, writes into that folder (an existing non-empty one only with --force; nothing
+is written without it):
   cache_size.png      global + local cache of one sequence vs context (1K..1M, log-log), with a
                       horizontal memory-budget line (--budget-gb, in GiB = 2^30 B; MHA with
                       V2's dimensions, configs/deepseek/mha_v2dims.yaml, needs 480 at 128K)
@@ -163,6 +165,20 @@ def load_rows(args, overrides=()):
     return cfgs, labels(args, cfgs)
 
 
+def default_context(paths, overrides=()) -> tuple[int, str]:
+    """(--context's default, why when it is not 128K): with a run directory among the rows,
+    the longest model.max_seq_len of their configs (a run is read at its own context; 128K
+    was 16 times a tiny run's); presets alone, 128K, where the full-size designs compare."""
+    if not any(Path(parse_row(a)[0]).is_dir() for a in paths):
+        return 131072, ""
+    cfgs, _ = load_rows(paths, overrides)
+    runs = sum(Path(parse_row(a)[0]).is_dir() for a in paths)
+    return (max(c.model.max_seq_len for c in cfgs),
+            "the run's model.max_seq_len" if len(cfgs) == 1 else
+            "the longest model.max_seq_len of the rows" + (" (the runs')" if runs == len(cfgs)
+                                                          else ""))
+
+
 def reference_row(rows: list[dict]) -> dict:
     """The first config named mha*, else the one with the largest storage per token."""
     for r in rows:
@@ -205,7 +221,9 @@ def _ratio(r) -> str:
 
 def format_table(rows: list[dict]) -> str:
     ctx = rows[0]["context"] if rows else 0
-    head = ("config", "B/token", "B/token BF16", "vs " + (rows[0]["reference"] if rows else "ref"),
+    compared = len(rows) > 1  # one row's reference is itself: no column
+    head = ("config", "B/token", "B/token BF16",
+            *(["vs " + (rows[0]["reference"] if rows else "ref")] if compared else []),
             "local", "crossover", f"read/step@{ctx:,}", "KV", "keys", "keys %",
             f"train FLOP/tok@{ctx:,} (attn)", f"decode FLOP/tok@{ctx:,} (attn)")
     body = []
@@ -216,7 +234,7 @@ def format_table(rows: list[dict]) -> str:
             r["name"],
             _bytes(r["storage_bytes_per_token"]),
             _bytes(r["storage_bf16_bytes_per_token"]),
-            _ratio(ratio),
+            *([_ratio(ratio)] if compared else []),
             _si(r["local_bytes"]) if r["local_bytes"] else "-",
             f"{cross:,.0f} tok" if cross is not None else "-",
             _si(r["read_bytes"]),
@@ -308,10 +326,12 @@ def main(argv=None) -> int:
                          "each optionally PATH:KEY=VALUE[:KEY=VALUE...][=LABEL]: overrides "
                          "of that row alone and its name, e.g. "
                          "configs/deepseek/v4_flash.yaml:attention.csa_ratio=2=csa2")
-    ap.add_argument("--context", type=parse_tokens, default=131072,
-                    help="tokens already cached for the read columns (default 131072 = 128K)")
-    ap.add_argument("--out", type=Path, default=Path("runs/kv_report"),
-                    help="folder for the PNGs and JSON (default runs/kv_report)")
+    ap.add_argument("--context", type=parse_tokens, default=None,
+                    help="tokens already cached for the read columns (default 131072 = 128K; "
+                         "with a run directory among the rows, the rows' longest "
+                         "model.max_seq_len)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the PNGs and JSON (default: none, nothing written)")
     ap.add_argument("--budget-gb", type=float, default=80.0,
                     help="memory budget line in the cache-size plot, GiB (default 80)")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
@@ -323,11 +343,18 @@ def main(argv=None) -> int:
     args = cli.parse(ap, argv)
     overrides = args.override + args.overrides
 
-    if args.out.is_dir() and any(args.out.iterdir()) and not args.force:
+    if args.out and args.out.is_dir() and any(args.out.iterdir()) and not args.force:
         raise InputError(f"--out {args.out} already holds files (an earlier report?): pass "
                          f"--force to overwrite them, or another --out")
-    rows = build_rows(args.configs, args.context, overrides)
+    context, why = ((args.context, "") if args.context
+                    else default_context(args.configs, overrides))
+    rows = build_rows(args.configs, context, overrides)
+    if why:
+        print(f"context {context:,} tokens: {why} (--context N for another)")
     print(format_table(rows))
+    if args.out is None:  # a shared default folder made each call overwrite the last's
+        print(f"(--out DIR also writes kv_report.json{'' if args.no_plots else ' and plots'})")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_report.json").write_text(json.dumps(rows, indent=1))
     written = [args.out / "kv_report.json"]

@@ -75,7 +75,8 @@ def test_kv_report_refuses_to_overwrite_its_folder_without_force(tmp_path, capsy
 def test_kv_report_help_explains_every_column(capsys):
     import pytest
     kv_report = _kv_report()
-    rows = kv_report.build_rows([os.path.join(ROOT, "configs", "tiny", "v4.yaml")], 4096)
+    rows = kv_report.build_rows([os.path.join(ROOT, "configs", "tiny", n) for n in
+                                 ("mha.yaml", "v4.yaml")], 4096)
     head = kv_report.format_table(rows).splitlines()[0]
     columns = [c.split("@")[0] for c in head.split("  ") if c.strip()][1:]  # after "config"
     with pytest.raises(SystemExit):
@@ -88,3 +89,33 @@ def test_kv_report_help_explains_every_column(capsys):
                  if line.startswith("  ") and not line.startswith("   ")]
     for column in columns:
         assert column in explained, column  # each begins a line of its own explanation
+
+
+def test_a_run_is_reported_at_its_own_context_alone_and_nothing_written_unasked(
+        tmp_path, capsys, monkeypatch):
+    """A run directory's row is read at its model.max_seq_len (it was 131,072: 16 times a
+    tiny run's), a single row has no `vs` column (itself against itself), and without --out
+    nothing is written (every call once shared runs/kv_report)."""
+    import pytest
+
+    from dsattn import cli
+    kv_report = _kv_report()
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    cfg = config.load(os.path.join(ROOT, "configs", "tiny", "v4.yaml"),
+                      ["model.max_seq_len=2048"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.run(kv_report.main, [str(run)])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    head = next(line for line in out.splitlines() if line.startswith("config"))
+    assert "read/step@2,048" in head and " vs " not in f" {head} ", head
+    assert "2,048 tokens: the run's model.max_seq_len" in out and "--out" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no runs/kv_report
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny"]
+    rows = kv_report.build_rows([os.path.join(ROOT, "configs", "tiny", "v4.yaml")], 4096)
+    assert "vs" not in kv_report.format_table(rows).splitlines()[0].split()
+    preset = kv_report.default_context([os.path.join(ROOT, "configs", "tiny", "v4.yaml")])
+    assert preset == (131072, "")  # presets: 128K, the full-size designs' comparison
