@@ -4,7 +4,7 @@ what each compiled program holds and launches (dsattn.bench.aot):
 
     python scripts/aot_check.py --target h100|h200|v5e|v6e|PATH.yaml [--mesh]
         [--presets mha,mla,dsa,v4,v41] [--impls xla,kernels]
-        [--programs train,train_long,prefill,decode,decode_max,serve[,train_max]]
+        [--programs train,train_long,prefill,decode,decode_max,serve[,decode_flat,train_max]]
         [--configs configs/small] [--out docs/bench/aot_<target>] [--redo] [--tiles]
 
 Needs the `aot` extra (pip install -e ".[aot]": the CUDA plugin with ptxas, and libtpu) in
@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--presets", type=names, default=["mha", "mla", "dsa", "v4", "v41"])
     ap.add_argument("--impls", type=names, default=list(aot.IMPLS))
     ap.add_argument("--programs", type=names, default=list(aot.DEFAULT_PROGRAMS),
-                    help=f"of {', '.join(aot.PROGRAMS)} (default: all but train_max)")
+                    help=f"of {', '.join(aot.PROGRAMS)} (default: all but decode_flat, train_max)")
     ap.add_argument("--configs", default=str(ROOT / "configs" / "small"))
     ap.add_argument("--out", help="report path without suffix (default docs/bench/aot_<target>)")
     ap.add_argument("--redo", action="store_true", help="compile rows already in the report")
