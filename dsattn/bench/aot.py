@@ -300,6 +300,137 @@ def _cost_model(compiled, launches: hlo.Launches) -> dict:
     return {"trusted": True, "why": why, **keep}
 
 
+def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
+    """The largest batch whose program fits `usable` bytes, from `peak_at(b)` (compiled peak
+    bytes at batch b; for a program refused for its size, what it asked for; None where
+    nothing is known): linear through batch 1 and 2, checked at that estimate, then
+    narrowed to within 1/32 between the largest that fits and the smallest that does not,
+    by the line through them (a TPU pads small batches, so batch 1 and 2 may weigh the
+    same), else halfway. None: not even batch 1 fits."""
+    p1, p2 = peak_at(1), peak_at(2)
+    if p1 is None or p1 > usable:
+        return None
+    if p2 is None or p2 > usable:
+        return 1
+    per_row = max(p2 - p1, 1)
+    lo, p_lo = 2, p2  # fits
+    hi = max(2, min(cap, int((usable - (p1 - per_row)) // per_row)))
+    p_hi = peak_at(hi)
+    if p_hi is not None and p_hi <= usable:
+        return hi
+    while hi - lo > max(1, lo // 32):
+        mid = (lo + hi) // 2
+        if p_hi is not None and p_hi > p_lo:  # where the line through both meets `usable`
+            mid = lo + int((usable - p_lo) * (hi - lo) / (p_hi - p_lo))
+        mid = min(max(mid, lo + 1), hi - 1)
+        p = peak_at(mid)
+        if p is not None and p <= usable:
+            lo, p_lo = mid, p
+        else:
+            hi, p_hi = mid, p
+    return lo
+
+
+def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print) -> list:
+    """The report rows of one Spec (decode_max and serve give several)."""
+    cfg = preset_config(configs_dir, spec.preset, spec.impl)
+    base = {"target": target.name, "preset": spec.preset, "impl": spec.impl,
+            "mesh": target.mesh_topology if spec.mesh else "1 chip",
+            "chips": len(devices), "implementations": choices(cfg, target.platform)}
+    n_layers = cfg.model.n_layers
+
+    def row(program, traced_facts, batch, length):
+        with targets.building_for(target):
+            traced, facts = traced_facts() if callable(traced_facts) else traced_facts
+        r = {**base, "program": program, "batch": batch, "length": length,
+             **analyse(traced, facts, target, n_layers)}
+        log(_summary(r))
+        return r
+
+    def built(fn, *args):
+        """Trace under the target (its kernel limits); a trace error is the row's error."""
+        with targets.building_for(target):
+            return fn(*args)
+
+    if (spec.impl == "kernels" and spec.program.startswith("train")
+            and base["implementations"]["attention.impl"]["runs"] == registry.reference(
+                registry.Op.ATTENTION)):
+        # training scores the indexer by XLA (indexer.IN_TRAINING): no kernel is left
+        r = {**base, "program": spec.program, "batch": spec.batch, "length": spec.length,
+             "compiled": None, "same_as": "xla",
+             "why": f"no attention kernel runs on {target.platform} for this config, and "
+                    f"training scores the indexer by XLA: the xla row's program"}
+        log(_summary(r))
+        return [r]
+    try:
+        if spec.program in ("train", "train_long"):
+            return [row(spec.program, lambda: built(train, cfg, devices, spec.batch,
+                                                    spec.length, spec.mesh),
+                        spec.batch, spec.length)]
+        if spec.program == "prefill":
+            return [row("prefill", lambda: built(prefill, cfg, devices, spec.batch,
+                                                 spec.length, spec.mesh),
+                        spec.batch, spec.length)]
+        if spec.program == "decode":
+            return [row("decode", lambda: built(decode, cfg, devices, spec.batch, spec.length,
+                                                spec.mesh), spec.batch, spec.length)]
+        if spec.program == "decode_flat":  # unrolled: no loop, so a TPU's cost model holds
+            flat = config.with_values(cfg, {("model", "scan_layers"): False})
+            return [row("decode_flat", lambda: built(decode, flat, devices, spec.batch,
+                                                     spec.length, spec.mesh),
+                        spec.batch, spec.length)]
+        if spec.program in ("decode_max", "train_max"):
+            found = {}
+            program = decode if spec.program == "decode_max" else train
+
+            def peak_at(b):
+                if b not in found:
+                    found[b] = row(spec.program, lambda: built(
+                        program, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
+                return found[b].get("peak_bytes", found[b].get("asked_bytes"))
+
+            b = max_batch(peak_at, target.usable_bytes)
+            if b is None:
+                return [{**found[1], "largest_fitting_batch": 0}]
+            return [{**found[b], "largest_fitting_batch": b}]
+        if spec.program == "serve":
+            progs = built(serve, cfg, devices, spec.batch, spec.length, spec.mesh)
+            return [row(name, tf, spec.batch, spec.length) for name, tf in progs.items()]
+    except Exception as e:  # noqa: BLE001 - a trace failure is the row's one-line error
+        r = {**base, "program": spec.program, "batch": spec.batch, "length": spec.length,
+             "compiled": False, "error": _one_line(e)}
+        log(_summary(r))
+        return [r]
+    raise ValueError(f"unknown program {spec.program!r}; known: {', '.join(PROGRAMS)}")
+
+
+def specs(presets, impls, programs, mesh: bool) -> list[Spec]:
+    out = []
+    for preset in presets:
+        for impl in impls:
+            for program in programs:
+                if program == "train":
+                    out.append(Spec(preset, impl, program, 4, 8192, mesh))
+                elif program == "train_long":
+                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
+                elif program == "prefill":
+                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
+                elif program == "decode":
+                    out.extend(Spec(preset, impl, program, 1, c, mesh) for c in CONTEXTS)
+                elif program == "decode_flat":
+                    out.append(Spec(preset, impl, program, 1, CONTEXTS[0], mesh))
+                elif program == "decode_max":
+                    out.extend(Spec(preset, impl, program, 0, c, mesh) for c in CONTEXTS)
+                elif program == "train_max":
+                    out.append(Spec(preset, impl, program, 0, 8192, mesh))
+                elif program == "serve":
+                    out.append(Spec(preset, impl, program, SERVE_ROWS, SERVE_CONTEXT, mesh))
+                else:
+                    raise ValueError(f"unknown program {program!r}; known: "
+                                     f"{', '.join(PROGRAMS)}")
+    return out
+
+
 # -- the kernels' shared memory, measured ----------------------------------------------------
 def shared_memory_request(target: targets.Target, f, shapes) -> int:
     """The most shared memory (bytes) any Triton kernel of jit(f) at `shapes` ((shape,
