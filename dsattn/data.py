@@ -65,6 +65,11 @@ class Corpus:
         return eval_batches(self.val, n_batches, batch_size, seq_len, seed,
                             weights=self.val_weights, block=self.block)
 
+    def val_windows(self, seq_len: int, batch_size: int, max_tokens: int = 0):
+        """The validation split in consecutive windows (`split_windows`)."""
+        return split_windows(self.val, seq_len, batch_size, max_tokens,
+                             weights=self.val_weights, block=self.block)
+
 
 # ----------------------------------------------------------------------------- byte codec
 def encode(text: str) -> np.ndarray:
@@ -406,6 +411,34 @@ def eval_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: i
                      block=block) for i in range(n_batches)]
 
 
+def split_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int = 0, *,
+                  weights: np.ndarray | None = None, block: int = 0):
+    """Batches ({"inputs", "targets"[, "weights"]}) of a split cut into consecutive windows:
+    each scores the seq_len tokens after the last one's, so every token is scored once (with
+    `block`, windows start at its multiples). At most `max_tokens` are scored (0: all), the
+    windows then spread evenly over the split; whole batches of `batch_size` rows (one
+    shape, one compiled program), or one batch of every window when there are fewer.
+    Returns (number of windows, a generator of the batches)."""
+    stride = seq_len if not block else -(-seq_len // block) * block
+    starts = np.arange(0, len(tokens) - seq_len, stride)  # each needs seq_len + 1 tokens
+    k = len(starts) if not max_tokens else min(len(starts), max(1, max_tokens // seq_len))
+    if k >= batch_size:
+        k -= k % batch_size
+    starts = starts[np.linspace(0, len(starts) - 1, k).round().astype(int)] if k else starts[:0]
+    rows = min(batch_size, k)
+
+    def batches():
+        for i in range(0, k, rows):
+            idx = starts[i:i + rows, None] + np.arange(seq_len + 1)
+            window = np.asarray(tokens)[idx].astype(np.int32)
+            out = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+            if weights is not None:
+                out["weights"] = np.asarray(weights, np.float32)[idx[:, 1:]]
+            yield out
+
+    return k, batches()
+
+
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
     tokens = np.asarray(tokens).reshape(-1)
@@ -421,4 +454,4 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 __all__ = ["Corpus", "load_corpus", "LOADERS", "with_source_vocab", "batch_at", "eval_batches",
-           "unigram_entropy", "encode", "decode", "split_files", "is_val_file"]
+           "split_windows", "unigram_entropy", "encode", "decode", "split_files", "is_val_file"]

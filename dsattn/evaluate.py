@@ -5,7 +5,10 @@ batches: `corpus.eval_batches(n_batches, batch_size, T, seed)` (weighted where t
 loss weights), the same windows for every checkpoint, so losses are comparable over a run and
 across runs. At the run's own
 train.seq_len, eval_batches and batch_size (and seed = train.seed) this is exactly the
-validation loss training logs. Lengths beyond the training length measure extrapolation.
+validation loss training logs. With `max_tokens` instead, the split itself: consecutive
+windows that score each of its tokens once, up to max_tokens of them (data.split_windows).
+Every loss comes with its standard error over the windows scored (each row of a batch one
+sample). Lengths beyond the training length measure extrapolation.
 
 Losses are in nats per token, bits per token (nats / ln 2) and bits per byte (dsattn.baseline:
 a byte-level token is a byte; a token directory records its text bytes per token).
@@ -68,22 +71,35 @@ def forward(model):
 _FORWARDS: dict = {}
 
 
-def mean_loss(model, batches, done=None) -> float:
-    """Mean next-token cross-entropy (nats per token) of `model` over `batches`
-    ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape. Batches with
-    "weights" (a corpus with loss weights, e.g. recall format=mqar) give the weighted mean,
-    as the training loss does. `done()`, if given, is called after each batch."""
+def loss_and_se(model, batches, done=None) -> tuple[float, float]:
+    """(mean next-token cross-entropy in nats per token, its standard error) of `model` over
+    `batches` ({"inputs", "targets"} [B, T] each), one compiled forward per batch shape.
+    Batches with "weights" (a corpus with loss weights, e.g. recall format=mqar) give the
+    weighted mean, as the training loss does. The standard error is over the rows (windows),
+    a ratio estimator's: sqrt(n/(n-1) sum (s_i - mean w_i)^2) / sum w_i, with s_i and w_i a
+    row's summed loss and weight (std / sqrt(n) of the rows' means when every w_i is equal);
+    NaN with one row. `done()`, if given, is called after each batch."""
     fwd, state = forward(model), nnx.state(model)
-    total, count = 0.0, 0.0
+    sums, weights = [], []
     for b in batches:
         nll = np.asarray(fwd(state, jnp.asarray(b["inputs"]), jnp.asarray(b["targets"]))["nll"],
                          np.float64)
         w = b.get("weights")
-        total += float(nll.sum() if w is None else (nll * w).sum())
-        count += b["targets"].size if w is None else float(w.sum())
+        w = np.ones_like(nll) if w is None else np.asarray(w, np.float64)
+        sums.append((nll * w).sum(-1))
+        weights.append(w.sum(-1))
         if done is not None:
             done()
-    return total / count
+    s, w = np.concatenate(sums), np.concatenate(weights)
+    mean = float(s.sum() / w.sum())
+    n = len(s)
+    se = math.sqrt(n / (n - 1) * ((s - mean * w) ** 2).sum()) / w.sum() if n > 1 else math.nan
+    return mean, float(se)
+
+
+def mean_loss(model, batches, done=None) -> float:
+    """The mean of `loss_and_se`."""
+    return loss_and_se(model, batches, done)[0]
 
 
 def check_lengths(corpus, seq_lens) -> None:
@@ -96,31 +112,40 @@ def check_lengths(corpus, seq_lens) -> None:
 
 def evaluate(model, cfg, seq_lens, *, n_batches: int | None = None,
              batch_size: int | None = None, corpus=None, quiet: bool = True,
-             progress_every: int | None = None) -> list[dict]:
+             progress_every: int | None = None, max_tokens: int | None = None) -> list[dict]:
     """One row per sequence length: nats and bits per token of the validation split of
-    cfg.data.source (or the given corpus). Batches default to the run's validation setting
-    (train.eval_batches of train.batch_size). Unless `quiet`, shows progress over all the
-    batches (dsattn.progress)."""
+    cfg.data.source (or the given corpus), each with its standard error over the windows
+    scored (`loss_and_se`). Batches default to the run's validation setting
+    (train.eval_batches of train.batch_size); `max_tokens` (without `n_batches`) scores the
+    split itself instead, in consecutive windows, at most that many tokens (0: all of it).
+    Unless `quiet`, shows progress over all the batches (dsattn.progress)."""
     t = cfg.train
-    n_batches = n_batches or t.eval_batches
     batch_size = batch_size or t.batch_size
     corpus = corpus or data.load_corpus(cfg.data, cfg.model.vocab_size)
     per_token = baseline.bytes_per_token(cfg.data.source)
     check_lengths(corpus, seq_lens)
-    bar = progress.Progress(len(seq_lens) * n_batches, desc=f"eval {cfg.name}", unit="batch",
+    if n_batches is None and max_tokens is not None:
+        plans = [corpus.val_windows(n, batch_size, max_tokens) for n in seq_lens]
+    else:
+        n_batches = n_batches or t.eval_batches
+        plans = [(n_batches * batch_size, corpus.eval_batches(n_batches, batch_size, n,
+                                                              seed=t.seed)) for n in seq_lens]
+    total = sum(-(-k // min(batch_size, k)) for k, _ in plans)
+    bar = progress.Progress(total, desc=f"eval {cfg.name}", unit="batch",
                             every=progress_every, quiet=quiet)
     rows = []
-    for n in seq_lens:
-        batches = corpus.eval_batches(n_batches, batch_size, n, seed=t.seed)
-        nats = mean_loss(model, batches, lambda: bar.update(fields={"seq_len": n}))
-        bits = nats / math.log(2)
-        rows.append({"seq_len": n, "tokens": n_batches * batch_size * n,
-                     "nats_per_token": nats, "bits_per_token": bits,
-                     "bits_per_byte": baseline.bits_per_byte(nats, per_token),
+    for n, (k, batches) in zip(seq_lens, plans):
+        nats, se = loss_and_se(model, batches, lambda: bar.update(fields={"seq_len": n}))
+        bpb = baseline.bits_per_byte(nats, per_token)
+        rows.append({"seq_len": n, "tokens": k * n, "windows": k,
+                     "nats_per_token": nats, "nats_per_token_se": se,
+                     "bits_per_token": nats / math.log(2),
+                     "bits_per_byte": bpb,
+                     "bits_per_byte_se": baseline.bits_per_byte(se, per_token),
                      "trained_seq_len": t.seq_len})
     bar.close()
     return rows
 
 
-__all__ = ["evaluate", "check_lengths", "mean_loss", "outputs", "forward",
+__all__ = ["evaluate", "check_lengths", "mean_loss", "loss_and_se", "outputs", "forward",
            "token_nll", "weighted_mean"]

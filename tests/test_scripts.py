@@ -187,9 +187,42 @@ def test_generate_bad_arguments(run_dir, args, status, needle):
 
 
 # ----------------------------------------------------------------- 3. eval.py
+def _nll(model, inputs, targets) -> np.ndarray:
+    """Each position's cross-entropy, in float64 from the model's logits."""
+    logits = np.asarray(forward(model, inputs), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+
+def test_eval_measures_the_split_by_default_with_a_standard_error(run_dir, tmp_path):
+    """By default eval.py scores the validation split in consecutive windows (every token
+    once, up to --max-tokens; it scored 1 batch of random windows, 32 tokens here) and gives
+    each loss a standard error over the windows."""
+    out = tmp_path / "eval.json"
+    p = script("eval", run_dir, "--seq-len", "16", "--json", out, "--quiet")
+    assert p.returncode == 0, p.stderr.decode()
+    (row,) = json.loads(out.read_text())["rows"]
+    model, cfg, _ = checkpoint.load_params(run_dir)
+    val = data.load_corpus(cfg.data, cfg.model.vocab_size).val.astype(np.int64)
+    k = (len(val) - 1) // 16 // 2 * 2  # whole windows, in whole batches of the run's 2 rows
+    assert 100 < k and row["tokens"] == 16 * k and row["windows"] == k
+    windows = np.stack([val[16 * i: 16 * i + 17] for i in range(k)])
+    per = np.concatenate([_nll(model, windows[i:i + 2, :-1], windows[i:i + 2, 1:])
+                          for i in range(0, k, 2)]).mean(-1)
+    assert row["nats_per_token"] == pytest.approx(per.mean(), rel=1e-5)
+    assert row["nats_per_token_se"] == pytest.approx(per.std(ddof=1) / math.sqrt(k), rel=1e-4)
+    line = next(x for x in p.stdout.decode().splitlines() if x.split()[:1] == ["16"])
+    assert f"{row['nats_per_token']:.4f} ± {row['nats_per_token_se']:.4f}" in line, line
+    capped = tmp_path / "capped.json"
+    p = script("eval", run_dir, "--seq-len", "16", "--json", capped, "--quiet",
+               "--max-tokens", "64")
+    assert p.returncode == 0 and json.loads(capped.read_text())["rows"][0]["tokens"] == 64
+
+
 def test_eval_matches_hand_computed_cross_entropy(run_dir, tmp_path):
     out = tmp_path / "eval.json"
-    p = script("eval", run_dir, "--seq-len", "16,48", "--json", out)
+    p = script("eval", run_dir, "--seq-len", "16,48", "--json", out, "--batches", "1")
     assert p.returncode == 0, p.stderr.decode()
     rows = {r["seq_len"]: r for r in json.loads(out.read_text())["rows"]}
     model, cfg, step = checkpoint.load_params(run_dir)
@@ -210,7 +243,8 @@ def test_eval_matches_hand_computed_cross_entropy(run_dir, tmp_path):
 def test_eval_progress_off_a_terminal_is_plain_lines(run_dir, capsys):
     from scripts import eval as eval_script
 
-    eval_script.main([str(run_dir), "--seq-len", "16,32", "--progress-every", "1"])
+    eval_script.main([str(run_dir), "--seq-len", "16,32", "--progress-every", "1",
+                      "--batches", "1"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("eval ")]
     assert "\r" not in err and [line.split(";")[0].split(": ")[1] for line in lines] == [
