@@ -69,9 +69,9 @@ def main(argv=None):
         rows = aot.tile_requests(target, log=lambda r: print(json.dumps(r), flush=True))
         out.with_suffix(".tiles.json").write_text(json.dumps(rows, indent=1) + "\n")
         return 0
-    specs = aot.specs(args.presets, args.impls, args.programs, args.mesh)
-    report = aot.Report.load(out.with_suffix(".json"))
     devices = target.devices(mesh=args.mesh)
+    specs = aot.specs(args.presets, args.impls, args.programs, args.mesh, len(devices))
+    report = aot.Report.load(out.with_suffix(".json"))
     print(f"{target.name}: {target.device} x{len(devices)} ({target.platform}), "
           f"{len(specs)} programs", flush=True)
     for spec in specs:

@@ -57,8 +57,9 @@ def check(target: targets.Target, mesh: bool, program: str, preset: str,
     devices = target.devices(mesh=mesh)
     cfg = aot.preset_config(CONFIGS, preset, "kernels")
     with targets.building_for(sized_for or target):
-        if program == "train":
-            traced, facts = aot.train(cfg, devices, *TRAIN, mesh)
+        if program == "train":  # on a mesh, a row per chip at least
+            traced, facts = aot.train(cfg, devices, max(TRAIN[0], len(devices)), TRAIN[1],
+                                      mesh)
         else:
             traced, facts = aot.decode(cfg, devices, len(devices), CONTEXT, mesh)
     row = aot.analyse(traced, facts, target, cfg.model.n_layers)

@@ -72,5 +72,9 @@ def test_every_program_of_the_report():
     assert {("xla", "decode", 1, 32768), ("xla", "decode", 1, 131072)} <= by
     assert ("kernels", "serve", aot.SERVE_ROWS, aot.SERVE_CONTEXT) in by
     assert len({s.key for s in specs}) == len(specs)
+    # on 8 chips every chip holds rows of its own
+    on_mesh = {(s.program, s.batch, s.length) for s in aot.specs(
+        ["v4"], ["xla"], ["train", "decode"], mesh=True, chips=8)}
+    assert on_mesh == {("train", 8, 8192), ("decode", 8, 32768), ("decode", 8, 131072)}
     with pytest.raises(ValueError, match="unknown program 'fly'"):
         aot.specs(["v4"], ["xla"], ["fly"], mesh=False)

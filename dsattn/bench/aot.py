@@ -404,30 +404,22 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
     raise ValueError(f"unknown program {spec.program!r}; known: {', '.join(PROGRAMS)}")
 
 
-def specs(presets, impls, programs, mesh: bool) -> list[Spec]:
+def specs(presets, impls, programs, mesh: bool, chips: int = 1) -> list[Spec]:
+    """The programs to compile. On a mesh of `chips` a training step and a decode step take
+    at least a row per chip, so every chip holds rows of its own."""
+    rows = chips if mesh else 1
+    shapes = {"train": [(max(4, rows), 8192)], "train_long": [(rows, 32768)],
+              "prefill": [(rows, 32768)], "decode": [(rows, c) for c in CONTEXTS],
+              "decode_max": [(0, c) for c in CONTEXTS], "serve": [(SERVE_ROWS, SERVE_CONTEXT)],
+              "decode_flat": [(rows, CONTEXTS[0])], "train_max": [(0, 8192)]}
     out = []
+    for program in programs:
+        if program not in shapes:
+            raise ValueError(f"unknown program {program!r}; known: {', '.join(PROGRAMS)}")
     for preset in presets:
         for impl in impls:
             for program in programs:
-                if program == "train":
-                    out.append(Spec(preset, impl, program, 4, 8192, mesh))
-                elif program == "train_long":
-                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
-                elif program == "prefill":
-                    out.append(Spec(preset, impl, program, 1, 32768, mesh))
-                elif program == "decode":
-                    out.extend(Spec(preset, impl, program, 1, c, mesh) for c in CONTEXTS)
-                elif program == "decode_flat":
-                    out.append(Spec(preset, impl, program, 1, CONTEXTS[0], mesh))
-                elif program == "decode_max":
-                    out.extend(Spec(preset, impl, program, 0, c, mesh) for c in CONTEXTS)
-                elif program == "train_max":
-                    out.append(Spec(preset, impl, program, 0, 8192, mesh))
-                elif program == "serve":
-                    out.append(Spec(preset, impl, program, SERVE_ROWS, SERVE_CONTEXT, mesh))
-                else:
-                    raise ValueError(f"unknown program {program!r}; known: "
-                                     f"{', '.join(PROGRAMS)}")
+                out.extend(Spec(preset, impl, program, b, n, mesh) for b, n in shapes[program])
     return out
 
 
