@@ -302,6 +302,23 @@ def test_after_warm_up_serving_compiles_nothing():
         assert drawn + outs.get(rid, []) == solo(eng, req)
 
 
+def test_the_first_request_after_warm_up_compiles_nothing_with_a_checkpoint_s_weights():
+    """A checkpoint's weights come back committed to a device (scripts/serve.py's), so every
+    step's outputs are committed too, while a fresh decode state is not: jit compiles a
+    program once per commitment of its arguments. The first request after warm_up (a chunk
+    over a sub-batch, decoding rows, a retired row) still compiles nothing."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(tiny_model("mha", "model.n_layers=1"))
+    eng = generate.Engine(nnx.merge(graphdef, jax.device_put(state, jax.devices()[0])))
+    s = Scheduler(eng, 2, MAX_LEN, max_chunk=CHUNK)
+    s.warm_up()
+    with compilations() as compiled:
+        rid = s.submit(Request(list(range(1, 21)), 3))
+        out = s.run()
+    assert compiled.n == 0 and len(out[rid]) == 3
+
+
 def test_a_prefill_step_advances_every_prefilling_row_by_its_width():
     """A step runs one [rows, width] program whatever the token budget leaves, so every
     prefilling row rides along: three prompts of 12 tokens (one 16-wide chunk each) admitted

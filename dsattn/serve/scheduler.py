@@ -102,7 +102,7 @@ class Scheduler:
         # run prefill chunks over a sub-batch; not on a mesh, whose rows are sharded.
         self._axes = None if engine.mesh is not None else programs.row_axes(
             lambda b: with_pool(engine.cfg, engine.init_cache(b, max_len), 1))
-        self._blank = engine.init_cache(1, max_len)
+        self._blank = self._placed(engine.init_cache(1, max_len))
         self._queue: collections.deque[_Job] = collections.deque()
         self._slots: list[_Row | None] = [None] * rows
         self._ids = itertools.count()
@@ -116,7 +116,17 @@ class Scheduler:
         state = self.engine.init_cache(self.rows, self.max_len)
         if self._pool_tokens is not None:
             state = with_pool(self.engine.cfg, state, self._pool_tokens)
-        return state
+        return self._placed(state)
+
+    def _placed(self, state):
+        """`state` committed to the weights' device. A step's outputs are committed where the
+        weights are (a checkpoint's are), a fresh state is not, and jit compiles a program
+        once per commitment of its arguments: warm_up's programs would not be those of the
+        first request (each recompiled then, minutes for a big model). A mesh's state is
+        made on its devices already."""
+        if self.engine.mesh is not None:
+            return state
+        return jax.device_put(state, jax.tree.leaves(self.engine.state)[0].sharding)
 
     # -- requests -------------------------------------------------------------------------
     def check(self, req: Request) -> None:
