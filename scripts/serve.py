@@ -70,7 +70,7 @@ def main(argv=None):
         from dsattn.serve.app import make_app
     except ImportError as e:
         raise SystemExit(f"serve.py: error: {e.name} is missing: pip install -e '.[serve]'")
-    from dsattn import generate, tokenizer
+    from dsattn import generate, progress, tokenizer
     from dsattn.serve.runner import Runner
     from dsattn.serve.scheduler import Scheduler
 
@@ -79,9 +79,16 @@ def main(argv=None):
     sched = Scheduler(generate.Engine(model), args.rows, max_len, pool_tokens=args.pool_tokens,
                       token_budget=args.token_budget, max_chunk=args.max_chunk,
                       replay=args.replay)
-    if args.warm_up:
-        t0 = time.perf_counter()
-        shapes = sched.warm_up()
+    if args.warm_up:  # minutes for a big model: a line (or a bar) per program
+        t0, shapes = time.perf_counter(), sched.warm_up_shapes()
+        print(f"warming up: compiling the {len(shapes)} step programs a request can run (chunk "
+              f"widths {', '.join(str(w) for w in sorted({w for w, _ in shapes}))} over the "
+              f"{args.rows} rows and sub-batches of them), so that none waits for a compile "
+              f"(--no-warm-up skips it)", file=sys.stderr, flush=True)
+        bar = progress.Progress(len(shapes), desc="warm-up", unit="program", every=1)
+        shapes = sched.warm_up(lambda width, rows, s: bar.update(
+            fields={"width": width, "rows": rows, "took": f"{s:.1f}s"}))
+        bar.close()
         print(f"compiled {shapes} step shapes in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
     runner = Runner(sched, max_queue=args.max_queue).start()

@@ -306,13 +306,16 @@ def test_the_first_request_after_warm_up_compiles_nothing_with_a_checkpoint_s_we
     """A checkpoint's weights come back committed to a device (scripts/serve.py's), so every
     step's outputs are committed too, while a fresh decode state is not: jit compiles a
     program once per commitment of its arguments. The first request after warm_up (a chunk
-    over a sub-batch, decoding rows, a retired row) still compiles nothing."""
+    over a sub-batch, decoding rows, a retired row) still compiles nothing. warm_up reports
+    each step program as it is compiled (scripts/serve.py's progress lines)."""
     from flax import nnx
 
     graphdef, state = nnx.split(tiny_model("mha", "model.n_layers=1"))
     eng = generate.Engine(nnx.merge(graphdef, jax.device_put(state, jax.devices()[0])))
     s = Scheduler(eng, 2, MAX_LEN, max_chunk=CHUNK)
-    s.warm_up()
+    said = []
+    assert s.warm_up(lambda width, rows, seconds: said.append((width, rows))) == 3
+    assert said == s.warm_up_shapes() == [(1, 2), (16, 2), (16, 1)]
     with compilations() as compiled:
         rid = s.submit(Request(list(range(1, 21)), 3))
         out = s.run()

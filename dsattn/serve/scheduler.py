@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -361,30 +362,39 @@ class Scheduler:
             return generate.prefill_program(eng.graph, eng.state, jnp.asarray(tokens),
                                             jnp.asarray(count), cache, replay, replay_from)
 
-    def warm_up(self) -> int:
-        """Compile every program a step can run (each chunk width, over the whole batch and
-        over each sub-batch size; sampling; clearing rows) on a throwaway state, so that no
-        request waits for a compile later. Returns the number of (width, rows) shapes."""
-        cache = self._empty()
+    def warm_up_shapes(self) -> list[tuple[int, int]]:
+        """(width, rows) of every step program a step can run, in warm_up's order: each chunk
+        width over the whole batch, then each width > 1 over each sub-batch size."""
         widths = sorted({1} | {generate.bucket_length(w, self.max_len)
                                for w in range(2, self.max_chunk + 1)})
-        none, shapes = np.zeros(self.rows, np.int32), 0
-        for w in widths:
-            logits, cache = self._extend(cache, np.arange(self.rows), none, w)
-            shapes += 1
         sizes = [] if self._axes is None else [1 << k for k in range(self.rows.bit_length())
                                                if 1 << k < self.rows]
-        for size in sizes:
-            stand_ins = np.full(size, self.rows)  # no row: nothing changes
-            for w in widths[1:]:
+        return [(w, self.rows) for w in widths] + [(w, size) for size in sizes
+                                                   for w in widths[1:]]
+
+    def warm_up(self, done=None) -> int:
+        """Compile every program a step can run (`warm_up_shapes`; sampling; clearing rows)
+        on a throwaway state, so that no request waits for a compile later. `done(width,
+        rows, seconds)` is called after each step program (they take minutes in all for a
+        big model: a caller shows progress). Returns the number of (width, rows) shapes."""
+        cache = self._empty()
+        none, logits = np.zeros(self.rows, np.int32), None
+        shapes = self.warm_up_shapes()
+        for w, size in shapes:
+            t0 = time.perf_counter()
+            if size == self.rows:
+                logits, cache = self._extend(cache, np.arange(self.rows), none, w)
+            else:
+                stand_ins = np.full(size, self.rows)  # no row: nothing changes
                 sub_logits, cache = self._extend_rows(cache, stand_ins, none, w)
                 self._merge(None, stand_ins, sub_logits)  # a step with no decoding rows
                 logits = self._merge(logits, stand_ins, sub_logits)
-                shapes += 1
+            if done is not None:
+                done(w, size, time.perf_counter() - t0)
         self._sample(logits)
         generate.check_cache(cache)
         self._reset([])  # clears no row
-        return shapes
+        return len(shapes)
 
     def _sample(self, logits) -> np.ndarray:
         """Every row's token [rows], each drawn with its request's sampling (idle: greedy)."""
