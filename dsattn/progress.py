@@ -38,6 +38,12 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def say(text: str, stream=None) -> None:
+    """A line of its own on `stream` (default sys.stderr), above any bar drawn there (what a
+    loop does before its own bar starts, e.g. a compile)."""
+    tqdm.write(text, file=stream or sys.stderr)
+
+
 class Progress:
     """`total` units from `initial`; `update(n, fields=...)` after each. `quiet`: nothing at
     all. The stream defaults to sys.stderr as it is when the Progress is made."""

@@ -149,13 +149,15 @@ class Loop:
                 self._finish_saves()
 
     def _run(self, target: int, caught: list) -> list[dict]:
+        n = len(self.rundirs)
+        desc = f"train {self.cfg.name}" + (f" x{n} seeds" if n > 1 else "")
+        if not self.quiet:  # minutes for a big model, before any step's line
+            progress.say(f"{desc} compiling its training step (the first step waits for it)")
         # compiled ahead, so compile time is not step time
         t0 = time.perf_counter()
         step_fn = self.trainstep.compiled(self.params, self.opt_state, self.batch_at(self.step),
                                           self.step)
         compile_s = time.perf_counter() - t0
-        n = len(self.rundirs)
-        desc = f"train {self.cfg.name}" + (f" x{n} seeds" if n > 1 else "")
         bar = progress.Progress(target, initial=self.step, desc=desc,
                                 every=self.progress_every, quiet=self.quiet)
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import baseline, cli, config, rundir, sharding, train  # noqa: E402
+from dsattn import baseline, cli, config, progress, rundir, sharding, train  # noqa: E402
 
 
 def main(argv=None):
@@ -53,6 +53,8 @@ def main(argv=None):
                                               scale_schedule=args.scale_schedule)
     explicit_vocab = ("model", "vocab_size") in config.overridden_keys(args.overrides)
     if args.estimate:  # a scratch directory: the run directory is only read
+        progress.say(f"estimate for {cfg.name}: compiling and timing its step and a "
+                     f"validation (minutes for a big model)")
         print(train.estimate_line(cfg, train.estimate(cfg, run_dir,
                                                       explicit_vocab=explicit_vocab)))
         return None

@@ -31,6 +31,8 @@ def test_a_run_says_its_compile_time_and_pace_after_its_first_steps(tmp_path, ca
                         r"steps, about \S+ for the 4 steps", err[said[0]]), err[said[0]]
     steps = [i for i, line in enumerate(err) if line.startswith("train mha: step")]
     assert steps[0] < said[0] < steps[1], err  # after step 3, before the last step's line
+    compiling = [i for i, line in enumerate(err) if "compiling its training step" in line]
+    assert compiling == [0], err  # said while it compiles, before anything else
     quiet = io.StringIO()  # a quiet run (--quiet, a sweep's runs off a terminal): nothing
     progress.Progress(4, quiet=True, stream=quiet).write("compiled in 1.0 s")
     assert quiet.getvalue() == ""
