@@ -284,7 +284,6 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
     with `progress_every` (every N steps)."""
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
-    warn_few_seeds(sweep)
     _check_finished(sweep)
     # One sweep per directory (the run directories' lock): a second would race this one's
     # runs and overwrite its results.
@@ -292,6 +291,7 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
 
     lock = RunDirLock(sweep.out, "being swept", "another --out")
     try:
+        warn_few_seeds(sweep)  # once it runs: a refused sweep says only why
         if not quiet:
             print(estimate_line(sweep, estimate(sweep)), file=sys.stderr, flush=True)
         return _run(sweep, quiet, progress_every)

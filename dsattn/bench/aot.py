@@ -213,8 +213,8 @@ def analyse(traced, facts: dict, target: targets.Target, n_layers: int) -> dict:
     """Compile `traced` and read the row's figures off the compiled program."""
     row = {"compiled": False}
     t0 = time.perf_counter()
-    lowered = traced.lower()
     try:
+        lowered = traced.lower()  # a Mosaic kernel outside shard_map fails here, on a mesh
         try:
             compiled = lowered.compile()
         except Exception as e:  # noqa: BLE001 - one XLA:GPU failure has a known way round
