@@ -45,6 +45,8 @@ CHECKS = {
     "h100-mesh/decode/v41": ("h100", True, "decode", "v41"),
     # the Mosaic indexer kernel inside the decode step, on one TPU chip and on four
     "v5e/decode/v4": ("v5e", False, "decode", "v4"),
+    # ... and in a prefill chunk (a thousand queries a call: the kernel tiles them for VMEM)
+    "v5e/prefill/dsa": ("v5e", False, "prefill", "dsa"),
     "v5e-mesh/decode/dsa": ("v5e", True, "decode", "dsa"),
     "v5e-mesh/train/v4": ("v5e", True, "train", "v4"),
 }
@@ -60,6 +62,8 @@ def check(target: targets.Target, mesh: bool, program: str, preset: str,
         if program == "train":  # on a mesh, a row per chip at least
             traced, facts = aot.train(cfg, devices, max(TRAIN[0], len(devices)), TRAIN[1],
                                       mesh)
+        elif program == "prefill":
+            traced, facts = aot.prefill(cfg, devices, len(devices), CONTEXT, mesh)
         else:
             traced, facts = aot.decode(cfg, devices, len(devices), CONTEXT, mesh)
     row = aot.analyse(traced, facts, target, cfg.model.n_layers)

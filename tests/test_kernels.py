@@ -83,6 +83,15 @@ def test_paged_scores_kernel_matches_reference(backend, fmt, T):
     check_kernel(KERNELS[backend], fmt, T, cache, interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["native", "fp8_ue8m0"])
+def test_tpu_kernel_tiles_many_queries_into_blocks(fmt):
+    """A prefill chunk's queries run in blocks of query_block rows (VMEM holds one block):
+    19 queries as 3 blocks of 8, the last padded, score as the reference does."""
+    fields, cache = _scrambled_cache(fmt)
+    check_kernel(functools.partial(paged_scores_tpu, query_block=8), fmt, 19, cache,
+                 interpret=True)
+
+
 def test_reference_block_maxima_and_truncation():
     fields, cache = _scrambled_cache("native")
     q, w, nv = _queries(3)

@@ -22,15 +22,17 @@ With ``block_max=Bk`` (Bk divides page_size) every function returns (scores, max
 maxima[b, t, i] = max of the visible scores i*Bk .. (i+1)*Bk-1 (-inf if none), float32
 [B, T, ceil(width / Bk)]: the block maxima of V4.1's hierarchical pool, computed in-kernel.
 
-``paged_scores_tpu`` runs a grid over (row, page slot). The page table (flattened) and lengths
-are scalar-prefetched (``pltpu.PrefetchScalarGridSpec``); each step's key BlockSpec index_map
-picks page ``max(page_table[b, p], 0)`` of the pool, so only the row's own pages are fetched,
-one page per step; slots at or past the row's length skip the matmul and write -inf. Every
-block's last two dims equal the full array dims (keys [1, page_size, d], scales
-[1, page_size, d/128] or [1, page_size, d/32], scores [1, 1, T8, page_size]), so any
-page_size/d is legal for Mosaic;
+``paged_scores_tpu`` runs a grid over (row, query block, page slot). The page table
+(flattened) and lengths are scalar-prefetched (``pltpu.PrefetchScalarGridSpec``); each step's
+key BlockSpec index_map picks page ``max(page_table[b, p], 0)`` of the pool, so only the row's
+own pages are fetched, one page per step; slots at or past the row's length skip the matmul
+and write -inf. A query block is at most ``query_block_for``'s rows, so that a prefill chunk's
+thousand queries fit VMEM as a decode step's one does (v5e's scoped VMEM is 16 MiB; a chunk's
+queries and dots in one block asked for more and failed the compile). Every block's last two
+dims equal the full array dims (keys [1, page_size, d], scales [1, page_size, d/128] or
+[1, page_size, d/32], scores [1, 1, Tq, page_size]), so any page_size/d is legal for Mosaic;
 for efficiency on real TPUs use page_size a multiple of 8 and d a multiple of 128. The wrapper
-pads T up to a multiple of 8 (sublane tile) and slices it back. Kernel formats: "native",
+pads T up to whole query blocks (a multiple of 8, the sublane tile) and slices it back. Kernel formats: "native",
 "bf16", "fp8_fp32", "fp8_ue8m0", "fp4_ue8m0" (E8M0 scales passed as their uint8 bytes and
 decoded in-kernel as 2^(byte-127); fp4 queries reordered [even | odd] channels to match the
 low/high nibbles); others: use ``reference_scores``. In a program lowered for a CPU the
@@ -190,12 +192,12 @@ def block_maxima(score, block: int):
 def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8, ps,
                   n_keys, block_max):
     # pt_ref [B*P] and len_ref [B] live in SMEM (scalar prefetch).
-    # q_ref [1, H*T8, d] (head-major rows), w_ref [1, T8, H], nv_ref [1, T8, 1],
-    # key refs [1, ps, d] (+ scale [1, ps, d/blk]; fp4: q [1, ps, d/2]),
-    # o_ref [1, 1, T8, ps] (+ maxima [1, 1, T8, ps/block_max]).
+    # q_ref [1, 1, H*T8, d] (a query block's rows, head-major), w_ref [1, T8, H],
+    # nv_ref [1, T8, 1], key refs [1, ps, d] (+ scale [1, ps, d/blk]; fp4: q [1, ps, d/2]),
+    # o_ref [1, 1, T8, ps] (+ maxima [1, 1, T8, ps/block_max]); T8: the query block.
     del pt_ref
     key_refs, out_refs = rest[:n_keys], rest[n_keys:]
-    b, p = pl.program_id(0), pl.program_id(1)
+    b, p = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
     start = p * ps
 
@@ -206,7 +208,7 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
 
     @pl.when(start < length)
     def _compute():
-        q = q_ref[0].astype(jnp.float32)  # [H*T8, d]
+        q = q_ref[0, 0].astype(jnp.float32)  # [H*T8, d]
         keys = [r[0] for r in key_refs]
         dots = dequant_dots(fmt, q.shape[-1], lambda lo, n: q[:, lo:lo + n],
                             lambda a, lo, n: keys[a][:, lo:lo + n], jax.lax.Precision.HIGHEST)
@@ -223,12 +225,30 @@ def _score_kernel(pt_ref, len_ref, q_ref, w_ref, nv_ref, *rest, fmt, n_heads, t8
             out_refs[1][0, 0] = block_maxima(score, block_max)
 
 
+# Bytes of VMEM a query block's working set may take: half of v5e's 16 MiB scoped default
+# (v6e has 32), the rest left to the key pages' buffers and Mosaic's own temporaries.
+VMEM_BUDGET = 8 << 20
+
+
+def query_block_for(T: int, n_heads: int, d: int, page_size: int) -> int:
+    """Queries per grid step: a multiple of 8 (the sublane tile) whose working set fits
+    VMEM_BUDGET (per query: its double-buffered rows of every head, one page's dots per head,
+    the score row's temporaries and double-buffered output), the blocks as even as
+    T allows (a chunk of 1024 runs as 3 x 344, not 440 + 440 + 144 padded to 3 x 440)."""
+    per_query = 4 * (2 * n_heads * d + 2 * n_heads * page_size + 8 * page_size + 2 * n_heads)
+    most = max(8, VMEM_BUDGET // per_query // 8 * 8)
+    t8 = -(-T // 8) * 8
+    n_blocks = -(-t8 // most)
+    return -(-t8 // n_blocks // 8) * 8 if n_blocks > 1 else t8
+
+
 def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
                      interpret: bool | None = None, max_entries: int | None = None,
-                     block_max: int | None = None):
+                     block_max: int | None = None, query_block: int | None = None):
     """Pallas TPU score pass: float32 [B, T, P*page_size] (-inf where invisible), equal to
     ``reference_scores``; (scores, maxima) with ``block_max``. ``interpret``: as
-    kernels/platform.py's (None: compiled for a TPU, interpreted for a CPU)."""
+    kernels/platform.py's (None: compiled for a TPU, interpreted for a CPU);
+    ``query_block``: queries per grid step, a multiple of 8 (None: ``query_block_for``)."""
     q32, key_arrays = kernel_inputs(q, pages, fmt, "paged_scores_tpu")
     page_table = jnp.asarray(page_table, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
@@ -237,34 +257,40 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     P = page_table.shape[1]
     ps = key_arrays[0].shape[1]
     check_block_max(block_max, ps, "paged_scores_tpu")
+    tq = query_block or query_block_for(T, H, d, ps)
+    if tq % 8:
+        raise ValueError(f"paged_scores_tpu: query_block={tq} must be a multiple of 8")
 
-    t8 = -(-T // 8) * 8
-    pad_t = t8 - T
+    n_q = -(-T // tq)
+    pad_t = n_q * tq - T
     w32 = jnp.asarray(w, jnp.float32)
     if pad_t:
         q32 = jnp.pad(q32, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
         w32 = jnp.pad(w32, ((0, 0), (0, pad_t), (0, 0)))
         n_visible = jnp.pad(n_visible, ((0, 0), (0, pad_t)))
-    q_hm = jnp.transpose(q32, (0, 2, 1, 3)).reshape(B, H * t8, d)  # head-major rows
-    nv3 = n_visible[..., None]  # [B, T8, 1]
+    # [B, query blocks, H * tq, d]: each block's rows head-major
+    q_hm = jnp.transpose(q32.reshape(B, n_q, tq, H, d), (0, 1, 3, 2, 4)).reshape(
+        B, n_q, H * tq, d)
+    nv3 = n_visible[..., None]  # [B, T, 1]
 
-    def key_map(b, p, pt, ln):
+    def key_map(b, i, p, pt, ln):
         return (jnp.maximum(pt[b * P + p], 0), 0, 0)
 
-    def out_map(b, p, pt, ln):
-        return (b, p, 0, 0)
+    def out_map(b, i, p, pt, ln):
+        return (b, p, i, 0)
 
     in_specs = [
-        pl.BlockSpec((1, H * t8, d), lambda b, p, pt, ln: (b, 0, 0)),
-        pl.BlockSpec((1, t8, H), lambda b, p, pt, ln: (b, 0, 0)),
-        pl.BlockSpec((1, t8, 1), lambda b, p, pt, ln: (b, 0, 0)),
+        pl.BlockSpec((1, 1, H * tq, d), lambda b, i, p, pt, ln: (b, i, 0, 0)),
+        pl.BlockSpec((1, tq, H), lambda b, i, p, pt, ln: (b, i, 0)),
+        pl.BlockSpec((1, tq, 1), lambda b, i, p, pt, ln: (b, i, 0)),
     ] + [pl.BlockSpec((1, ps, a.shape[2]), key_map) for a in key_arrays]
     widths = [ps] + ([] if block_max is None else [ps // block_max])
-    out_specs = [pl.BlockSpec((1, 1, t8, n), out_map) for n in widths]
-    out_shape = [jax.ShapeDtypeStruct((B, P, t8, n), jnp.float32) for n in widths]
+    out_specs = [pl.BlockSpec((1, 1, tq, n), out_map) for n in widths]
+    out_shape = [jax.ShapeDtypeStruct((B, P, n_q * tq, n), jnp.float32) for n in widths]
+    # the page slot innermost: a query block is fetched once and scored against every page
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(B, P), in_specs=in_specs, out_specs=out_specs)
-    kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=t8, ps=ps,
+        num_scalar_prefetch=2, grid=(B, n_q, P), in_specs=in_specs, out_specs=out_specs)
+    kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=tq, ps=ps,
                                n_keys=len(key_arrays), block_max=block_max)
     outs = platform.pallas_call(
         kernel,
@@ -272,5 +298,5 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
         out_shape=out_shape,
         interpret=interpret, name="indexer_score",
     )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
-    outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, t8, -1)[:, :T] for o in outs]
+    outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, n_q * tq, -1)[:, :T] for o in outs]
     return truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)
