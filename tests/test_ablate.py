@@ -367,3 +367,80 @@ def test_every_sweep_key_is_documented_with_an_example():
         assert leaf in (written.get("recall", {}) if key.startswith("recall.") else written) \
             or f"# {leaf}:" in open(example).read(), key
     assert [r.name for r in ablate.load(example).rows] == ["window", "csa_m2", "csa_m4"]
+
+
+# ------------------------------------------------------------------- the sweep's command line
+SCHEDULED = [*TOY, "train.steps=1000", "train.warmup_steps=30", "train.eval_every=250"]
+
+
+def _scheduled(tmp_path, **sweep):
+    """A sweep file of 1000 steps: warm-up 30 (row b: 50), validation every 250 and a recall
+    warm-up of 200 steps (facts within 8 tokens)."""
+    return _write(tmp_path, overrides=SCHEDULED, recall_warmup={"steps": 200, "dist": 8},
+                  rows=[{"name": "a", "overrides": []},
+                        {"name": "b", "overrides": ["train.warmup_steps=50"]}], **sweep)
+
+
+def _schedule(sweep, name):
+    row = next(r for r in sweep.rows if r.name == name)
+    cfg = sweep.config(row, 0)
+    warm = ablate.spec.recall_spec(cfg)
+    return (cfg.train.steps, cfg.train.warmup_steps, cfg.train.eval_every, warm.warm_steps,
+            warm.warm_dist)
+
+
+def test_sweep_keys_set_on_the_command_line(tmp_path):
+    path = _write(tmp_path, overrides=SCHEDULED, recall_warmup={"steps": 200, "dist": 8},
+                  recall={"distances": [8, 32], "per_distance": 4})
+    sweep = ablate.load(path, ["recall.per_distance=16", "recall_warmup.steps=40", "lengths=[2]",
+                               "seeds=[0, 1, 2]", "decode_context=0", "train.lr=0.01"])
+    assert sweep.per_distance == 16 and sweep.distances == (8, 32)  # the file's other keys kept
+    assert sweep.lengths == (2,) and sweep.seeds == (0, 1, 2) and sweep.decode_context == 0
+    assert _schedule(sweep, "mha")[3:] == (40, 8)  # recall_warmup.dist kept from the file
+    assert sweep.config(sweep.rows[0], 0).train.lr == 0.01  # a config key, as before
+    with pytest.raises(ConfigError, match=r"lengths: expected a list of integers >= 2"):
+        ablate.load(path, ["lengths=[1, 2]"])  # validated as the file's own value is
+
+
+@pytest.mark.parametrize("override, closest", [
+    ("recall_warmup.step=40", "recall_warmup.steps"),
+    ("recal.per_distance=16", "recall.per_distance"),
+    ("recall.per_distanse=16", "recall.per_distance"),
+    ("lenghts=[2]", "lengths"),
+    ("seed=[0, 1]", "seeds"),
+    ("train.warmup_step=3", "train.warmup_steps"),
+])
+def test_an_unknown_command_line_key_names_the_closest_sweep_or_config_key(tmp_path, override,
+                                                                           closest):
+    path = _write(tmp_path, overrides=SCHEDULED, recall_warmup={"steps": 200, "dist": 8})
+    with pytest.raises(ConfigError) as e:
+        ablate.load(path, [override])
+    message = str(e.value)
+    assert "\n" not in message and f"(did you mean {closest}?)" in message, message
+    assert message.split(": ")[1] == override.split("=")[0], message  # after the file's name
+
+
+def test_scale_schedule_fits_each_rows_schedule_to_a_shorter_run(tmp_path):
+    path = _scheduled(tmp_path)
+    with pytest.warns(UserWarning, match=r"recall_warmup.steps=200 is 50% of train.steps=400"):
+        plain = ablate.load(path, ["train.steps=400"])
+    assert _schedule(plain, "a") == (400, 30, 250, 200, 8)  # unscaled without the flag
+    scaled = ablate.load(path, ["train.steps=400"], scale_schedule=True)
+    factor = 400 / 1000
+    assert _schedule(scaled, "a") == (400, round(30 * factor), round(250 * factor),
+                                      round(200 * factor), 8)
+    assert _schedule(scaled, "b")[1] == round(50 * factor)  # a row's own value scales too
+    # one line per distinct change, naming the rows it applies to
+    assert ablate.scaling(scaled) == [
+        "--scale-schedule: train.warmup_steps 30 -> 12 (row a; train.steps 1000 -> 400)",
+        "--scale-schedule: train.warmup_steps 50 -> 20 (row b; train.steps 1000 -> 400)",
+        "--scale-schedule: train.eval_every 250 -> 100 (every row; train.steps 1000 -> 400)",
+        "--scale-schedule: recall_warmup.steps 200 -> 80 (every row; train.steps 1000 -> 400)"]
+    # what the command line sets is kept, as scripts/train.py keeps it
+    told = ablate.load(path, ["train.steps=400", "train.warmup_steps=7", "recall_warmup.steps=40"],
+                       scale_schedule=True)
+    assert _schedule(told, "a") == (400, 7, 100, 40, 8)
+    assert [line.split(" (")[0] for line in ablate.scaling(told)] == [
+        "--scale-schedule: train.eval_every 250 -> 100"]
+    longer = ablate.load(path, ["train.steps=2000"], scale_schedule=True)  # only shrinks
+    assert _schedule(longer, "a") == (2000, 30, 250, 200, 8) and ablate.scaling(longer) == []

@@ -56,7 +56,7 @@ from dsattn.ablate.plots import pareto, plots  # noqa: F401  (public)
 from dsattn.ablate.results import (flat, row_summaries, table,  # noqa: F401  (public)
                                    write_json, write_results)
 from dsattn.ablate.spec import (Row, Sweep, from_dict, from_resolved, load,  # noqa: F401
-                                run_dir, select)
+                                run_dir, scaling, select)
 from dsattn.errors import ConfigError, DsattnError
 
 

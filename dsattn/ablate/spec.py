@@ -12,10 +12,12 @@ from pathlib import Path
 
 import yaml
 
+from dsattn import config as config_lib
 from dsattn import recall
 from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.sweep import Row, Sweep  # noqa: F401  (re-exported: the sweep's types)
 from dsattn.errors import ConfigError
+from dsattn.migrations import RENAMED
 
 
 
@@ -24,6 +26,14 @@ SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds",
               "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
 ROW_KEYS = ("name", "overrides", "control")
+WARMUP_KEYS = {"steps": "warm_steps", "dist": "warm_dist"}  # recall_warmup -> data.source
+# What KEY=VALUE on the command line may set besides config keys: the sweep keys but its
+# rows and overrides (--rows picks rows; section.key=value adds an override), and one key of
+# recall or recall_warmup at a time
+COMMAND_LINE_KEYS = (*(k for k in SWEEP_KEYS if k not in ("rows", "overrides")),
+                     *(f"recall.{k}" for k in RECALL_KEYS),
+                     *(f"recall_warmup.{k}" for k in WARMUP_KEYS))
+CONFIG_KEYS = config_lib.keys_of(*config_lib.Kind)  # (section, key) of every config key
 
 
 def unknown_key(key: str, valid, what: str) -> ConfigError:
@@ -66,8 +76,9 @@ def _find(name, sweep_file: Path) -> str:
     return name
 
 
-def load(path, overrides=(), out=None) -> Sweep:
-    """Read and validate a sweep file; `overrides` are appended to its shared overrides."""
+def load(path, overrides=(), out=None, scale_schedule: bool = False) -> Sweep:
+    """Read and validate a sweep file; `overrides` (`command_line`): its sweep keys set, the
+    config's appended to its shared overrides; `scale_schedule`: from_dict's."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
@@ -81,12 +92,68 @@ def load(path, overrides=(), out=None) -> Sweep:
         if isinstance(raw.get(key), str):
             raw[key] = _find(raw[key], path)
     try:
-        return from_dict(raw, overrides, out, default_name=path.stem)
+        return from_dict(raw, overrides, out, default_name=path.stem,
+                         scale_schedule=scale_schedule)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
+def command_line(raw: dict, overrides=()) -> tuple[dict, tuple[str, ...], set[str]]:
+    """Command-line KEY=VALUE overrides split: (the sweep file's mapping with the sweep keys
+    they set, the config overrides, the sweep keys set). A sweep key's value is YAML
+    (lengths=[2], seeds=[0,1], decode_context=0); KEY.SUB=VALUE sets one key of `recall` or
+    `recall_warmup` (recall.per_distance=16, recall_warmup.steps=40), the file's others kept;
+    a config key is section.key=value. Any other key is one error naming the closest of
+    both kinds, before any row is built (a typo is the command line's, not a row's)."""
+    raw, config, given = dict(raw), [], set()
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ConfigError(f"{ov!r}: expected KEY=VALUE, e.g. train.steps=200 or seeds=[0,1]")
+        if tuple(key.split(".", 1)) in CONFIG_KEYS:
+            config.append(ov)
+            continue
+        if tuple(key.split(".", 1)) in RENAMED:
+            sec, old = key.split(".", 1)
+            raise ConfigError(f"{key}: renamed to {sec}.{RENAMED[sec, old]}")
+        if key not in COMMAND_LINE_KEYS:
+            raise _unknown_command_line_key(key)
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key}: not a YAML value: {value!r} ({e.problem})") from None
+        head, dot, sub = key.partition(".")
+        if dot:
+            if not isinstance(raw.get(head) or {}, dict):
+                raise ConfigError(f"{key}: the sweep file's {head} is not a mapping")
+            raw[head] = {**(raw.get(head) or {}), sub: parsed}
+        else:
+            raw[head] = parsed
+        given.add(key)
+    return raw, tuple(config), given
+
+
+def _unknown_command_line_key(key: str) -> ConfigError:
+    """One line: the closest of the sweep keys and config keys (a command line mixes both)."""
+    if key in ("rows", "overrides"):
+        return ConfigError(f"{key}: not settable on the command line; "
+                           + ("--rows NAME,NAME picks rows" if key == "rows"
+                              else "give each override as section.key=value"))
+    every = [*COMMAND_LINE_KEYS, *(f"{sec}.{k}" for sec, k in CONFIG_KEYS)]
+    close = difflib.get_close_matches(key, every, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{key}: unknown key{hint}; a sweep key ({', '.join(COMMAND_LINE_KEYS)}) "
+                       f"or a config key section.key, section one of "
+                       f"{', '.join(config_lib.sections_of(*config_lib.Kind))}")
+
+
+def from_dict(raw: dict, overrides=(), out=None, default_name="sweep",
+              scale_schedule: bool = False) -> Sweep:
+    """A Sweep from a sweep file's mapping and command-line overrides (`command_line`);
+    `scale_schedule`: a train.steps shorter than the sweep file's scales each row's
+    schedule with it (`_scaled`)."""
+    raw, overrides, given = command_line(raw, overrides)
     for k in raw:
         if k not in SWEEP_KEYS:
             raise unknown_key(k, SWEEP_KEYS, "sweep key")
@@ -129,8 +196,15 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
     for k in rc:
         if k not in RECALL_KEYS:
             raise unknown_key(f"recall.{k}", [f"recall.{x}" for x in RECALL_KEYS], "key")
-    shared = _with_recall_warmup(_override_list(raw.get("overrides"), "overrides"),
-                                 raw.get("recall_warmup")) + tuple(overrides)
+    in_file = _with_recall_warmup(_override_list(raw.get("overrides"), "overrides"),
+                                  raw.get("recall_warmup"))
+    shared = in_file + tuple(overrides)
+    scaled_from = 0
+    if scale_schedule:
+        keep_warmup = bool(given & {"recall_warmup", "recall_warmup.steps"})
+        scaled = [_scaled(str(raw["base"]), in_file, overrides, row, keep_warmup) for row in rows]
+        rows = [row for row, _ in scaled]
+        scaled_from = max(steps for _, steps in scaled)  # one count: the rows that scale
     decode = raw.get("decode_context", 4096)
     if not isinstance(decode, int) or decode < 0:
         raise ConfigError(f"decode_context: expected an integer >= 0, got {decode!r}")
@@ -151,12 +225,9 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep") -> Sweep:
                   distances=tuple(rc.get("distances", ())), per_distance=rc.get("per_distance", 32),
                   probe_len=rc.get("seq_len", 0), decode_context=decode,
                   lengths=tuple(dict.fromkeys(lengths)), vmap_seeds=vmap_seeds,
-                  through_cache=through_cache,
+                  through_cache=through_cache, scaled_from_steps=scaled_from,
                   out=Path(out or raw.get("out") or f"runs/ablations/{name}"))
     return _validate(sweep)
-
-
-WARMUP_KEYS = {"steps": "warm_steps", "dist": "warm_dist"}  # recall_warmup -> data.source
 
 
 def _with_recall_warmup(shared: tuple[str, ...], warmup) -> tuple[str, ...]:
@@ -169,7 +240,8 @@ def _with_recall_warmup(shared: tuple[str, ...], warmup) -> tuple[str, ...]:
         raise ConfigError(f"recall_warmup: expected {{steps: N, dist: D}}, got {warmup!r}")
     for k, v in warmup.items():
         if k not in WARMUP_KEYS:
-            raise unknown_key(k, list(WARMUP_KEYS), "recall_warmup key")
+            raise unknown_key(f"recall_warmup.{k}", [f"recall_warmup.{x}" for x in WARMUP_KEYS],
+                              "key")
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"recall_warmup.{k}: expected an integer, got {v!r}")
     sources = [i for i, o in enumerate(shared) if o.startswith("data.source=recall:")]
@@ -183,6 +255,71 @@ def _with_recall_warmup(shared: tuple[str, ...], warmup) -> tuple[str, ...]:
                           f"give the warm-up in one place")
     extra = ",".join(f"{WARMUP_KEYS[k]}={v}" for k, v in warmup.items())
     return shared[:i] + (f"{shared[i]},{extra}",) + shared[i + 1:]
+
+
+def _scaled(base: str, in_file, given, row: Row, keep_warmup: bool = False
+            ) -> tuple[Row, int]:
+    """`row` with its schedule scaled as scripts/train.py --scale-schedule scales a run's, by
+    the command line's train.steps over the sweep file's (`in_file`: its shared overrides;
+    the row's own count too): config.SCHEDULE_STEPS (warm-up, the indexer's dense warm-up,
+    validation interval) and the recall source's curriculum (recall_warmup.steps), each at
+    least 1, the keys the command line sets (`given`, `keep_warmup`) left alone. The scaled
+    values are the row's `schedule` overrides, applied after its own. Returns (the row, the
+    sweep file's train.steps it was scaled from; 0: not scaled)."""
+    try:
+        planned = config_lib.load(base, [*in_file, *row.overrides]).train.steps
+        cfg = config_lib.load(base, [*in_file, *given, *row.overrides])
+    except ConfigError:
+        return row, 0  # _validate names the error, as it does without --scale-schedule
+    steps = cfg.train.steps
+    if not 0 < steps < planned:
+        return row, 0
+    told = config_lib.overridden_keys(given)
+    scaled = config_lib.scale_schedule_of(cfg, planned, told)
+    out = [f"{sec}.{key}={_value(scaled, sec, key)}" for sec, key in config_lib.SCHEDULE_STEPS
+           if _value(scaled, sec, key) != _value(cfg, sec, key)]
+    spec = recall_spec(cfg)
+    if spec is not None and spec.warm_steps and not keep_warmup and (
+            "data", "source") not in told:
+        warm = max(1, round(spec.warm_steps * steps / planned))
+        if warm != spec.warm_steps:
+            out.append("data.source=" + re.sub(r"\bwarm_steps=\d+", f"warm_steps={warm}",
+                                               cfg.data.source.text))
+    return dataclasses.replace(row, schedule=tuple(out)), planned if out else 0
+
+
+def _value(cfg, sec: str, key: str):
+    return getattr(getattr(cfg, sec), key)
+
+
+def scaling(sweep: Sweep) -> list[str]:
+    """What --scale-schedule changed: a line per distinct change, naming its rows
+    ("--scale-schedule: train.warmup_steps 30 -> 12 (every row; train.steps 1000 -> 400)");
+    [] when it changed nothing."""
+    changed: dict[tuple, list[str]] = {}  # (key, before, after) -> rows
+    steps = None
+    for row in sweep.rows:
+        if not row.schedule:
+            continue
+        plain = config_lib.load(sweep.base, [*sweep.overrides, *row.overrides])
+        cfg = config_lib.load(sweep.base, [*sweep.overrides, *row.overrides, *row.schedule])
+        steps = cfg.train.steps
+        for sec, key in config_lib.SCHEDULE_STEPS:
+            if _value(plain, sec, key) != _value(cfg, sec, key):
+                changed.setdefault((f"{sec}.{key}", _value(plain, sec, key),
+                                    _value(cfg, sec, key)), []).append(row.name)
+        before, after = recall_spec(plain), recall_spec(cfg)
+        if before is not None and before.warm_steps != after.warm_steps:
+            changed.setdefault(("recall_warmup.steps", before.warm_steps, after.warm_steps),
+                               []).append(row.name)
+    order = [f"{sec}.{key}" for sec, key in config_lib.SCHEDULE_STEPS] + ["recall_warmup.steps"]
+    lines = []
+    for (key, before, after), names in sorted(changed.items(), key=lambda c: order.index(c[0][0])):
+        rows = ("every row" if len(names) == len(sweep.rows) else
+                f"row{'s' if len(names) > 1 else ''} {', '.join(names)}")
+        lines.append(f"--scale-schedule: {key} {before} -> {after} ({rows}; train.steps "
+                     f"{sweep.scaled_from_steps} -> {steps})")
+    return lines
 
 
 def recall_spec(cfg) -> recall.RecallSpec | None:
@@ -235,7 +372,8 @@ def from_resolved(raw: dict) -> Sweep:
     """The Sweep a sweep directory's sweep.yaml records (written before its runs train)."""
     fields = {f.name for f in dataclasses.fields(Sweep)}
     raw = {k: v for k, v in raw.items() if k in fields}
-    rows = tuple(Row(r["name"], tuple(r["overrides"]), r.get("control", False))
+    rows = tuple(Row(r["name"], tuple(r["overrides"]), r.get("control", False),
+                     tuple(r.get("schedule") or ()))
                  for r in raw.pop("rows"))
     out = Path(raw.pop("out"))
     return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},
@@ -258,7 +396,8 @@ def _warn_long_warmups(sweep: Sweep, cfg) -> None:
         if n > WARMUP_SHARE * steps:
             warnings.warn(f"sweep {sweep.name}: {key}={n} is {n / steps:.0%} of train.steps="
                           f"{steps}; warm-ups do not scale with train.steps: scale them with "
-                          f"it (docs/ablations/README.md, 'Scaling a recipe')")
+                          f"it (ablate.py --scale-schedule; docs/ablations/README.md, 'Scaling "
+                          f"a recipe')")
 
 
 def select(sweep: Sweep, rows=None, seeds=None) -> Sweep:

@@ -17,6 +17,9 @@ class Row:
     # A reference the other rows are read against (e.g. full attention, a window only): its
     # report row says so and pareto.png keeps it off the front.
     control: bool = False
+    # --scale-schedule: the row's schedule scaled to the run's train.steps (spec._scaled),
+    # applied after its own overrides
+    schedule: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +38,12 @@ class Sweep:
     lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
     vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
     through_cache: bool = False  # also score recall through the decode cache (its formats)
+    # --scale-schedule: the sweep file's train.steps the rows' schedules (Row.schedule) were
+    # scaled from (0: none was)
+    scaled_from_steps: int = 0
 
     def config(self, row: Row, seed: int):
-        return config_lib.load(self.base, [*self.overrides, *row.overrides,
+        return config_lib.load(self.base, [*self.overrides, *row.overrides, *row.schedule,
                                            f"train.seed={seed}"])
 
     def seed_configs(self, names, seeds: int) -> dict[str, list]:
