@@ -2,14 +2,19 @@
 """Run an ablation sweep, or redraw a finished one's plots and table.
 
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] [--out DIR] [--quiet]
-        [--rows NAME,NAME] [--seeds 0,1]
+        [--rows NAME,NAME] [--seeds 0,1] [--scale-schedule] [--no-estimate]
     python scripts/ablate.py --report SWEEP_DIR
     python scripts/ablate.py SWEEP.yaml [KEY=VALUE ...] --estimate
 
-KEY=VALUE overrides apply to every row (e.g. train.steps=2000 to scale a shipped sweep up;
-warm-ups do not scale with it: docs/ablations/README.md). Before training it prints the
-expected time of what is left, each row shape timed (compile, steps, validation,
-measurement); --estimate prints only that. Rerunning resumes: finished runs are skipped, an
+KEY=VALUE overrides: a config key (section.key=value) applies to every row (e.g.
+train.steps=2000 to scale a shipped sweep up); a sweep key below sets the file's, its value
+YAML (seeds=[0,1,2], lengths=[2], decode_context=0, recall.per_distance=16,
+recall_warmup.steps=40; rows and overrides excepted). Warm-ups do not follow train.steps:
+--scale-schedule scales them with a shorter train.steps and prints what it changed
+(docs/ablations/README.md). Before training it prints the expected time of what is left,
+each row shape timed (compile, steps, validation, measurement: minutes for many shapes);
+--no-estimate skips that timing (the progress and its ETA stay), --estimate prints only
+the estimate. Rerunning the same command resumes: finished runs are skipped, an
 interrupted one resumes from its checkpoint. The sweep directory (default
 runs/ablations/<name>) holds runs/<row>/seed<k>/, results.csv, summary.csv, results.json,
 pareto.png, recall.png and curves.png. The report compares every pair of rows on loss and
@@ -42,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsattn import ablate, cli  # noqa: E402
+from dsattn import ablate, cli, progress  # noqa: E402
 
 
 def main(argv=None):
@@ -53,6 +58,16 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no progress bars (no estimate)")
     ap.add_argument("--estimate", action="store_true",
                     help="print the expected training time and stop")
+    ap.add_argument("--no-estimate", action="store_true",
+                    help="train without timing each row shape first (that pass takes minutes "
+                         "for many shapes); the progress and its ETA stay")
+    ap.add_argument("--scale-schedule", action="store_true",
+                    help="a train.steps override shorter than the sweep file's scales each "
+                         "row's train.warmup_steps, indexer.dense_warmup_steps, "
+                         "train.eval_every and recall_warmup.steps by the same factor (at "
+                         "least 1; those set on the command line kept), as train.py "
+                         "--scale-schedule does a run's; it prints what it changed. Resume "
+                         "with the same command")
     ap.add_argument("--rows", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
                     metavar="NAME,NAME", help="only these rows of the sweep (default: all)")
     ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",") if x.strip()],
@@ -66,13 +81,19 @@ def main(argv=None):
         print(ablate.report(args.report))
         print(f"plots redrawn in {args.report}")
         return None
-    sweep = ablate.load(args.sweep, args.overrides, out=args.out)  # validates every row
+    if args.estimate and args.no_estimate:
+        ap.error("--estimate and --no-estimate: give one")
+    sweep = ablate.load(args.sweep, args.overrides, out=args.out,  # validates every row
+                        scale_schedule=args.scale_schedule)
     sweep = ablate.select(sweep, args.rows, args.seeds)
+    for line in ablate.scaling(sweep):  # before anything is timed or trained
+        progress.say(line)
     if args.estimate:
         ablate.warn_few_seeds(sweep)
-        print(ablate.estimate_line(sweep, ablate.estimate(sweep)))
+        print(ablate.estimate_line(sweep, ablate.estimate(sweep, say=progress.say)))
         return None
-    results = ablate.run(sweep, quiet=args.quiet, progress_every=args.progress_every)
+    results = ablate.run(sweep, quiet=args.quiet, progress_every=args.progress_every,
+                         estimate_first=not args.no_estimate)
     print(ablate.table(results))
     print(f"results and plots in {sweep.out}")
     return results

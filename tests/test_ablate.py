@@ -444,3 +444,60 @@ def test_scale_schedule_fits_each_rows_schedule_to_a_shorter_run(tmp_path):
         "--scale-schedule: train.eval_every 250 -> 100"]
     longer = ablate.load(path, ["train.steps=2000"], scale_schedule=True)  # only shrinks
     assert _schedule(longer, "a") == (2000, 30, 250, 200, 8) and ablate.scaling(longer) == []
+
+
+def _ablate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablate_script",
+                                                  os.path.join(ROOT, "scripts", "ablate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_estimate_skips_the_timing_but_keeps_the_progress(tmp_path, monkeypatch, capsys):
+    script = _ablate_script()
+    path = _write(tmp_path, out=str(tmp_path / "out"))
+    started, timed = [], []
+    monkeypatch.setattr(ablate, "_run", lambda sweep, quiet, every: started.append(quiet) or [])
+    monkeypatch.setattr(ablate, "_time_row", lambda *a: timed.append(a[1].name) or {
+        "compile_s": 1.0, "step_s": 0.5, "eval_s": 0.25, "measure_s": 2.0})
+    script.main([str(path), "--no-estimate"])
+    assert started == [False] and timed == []  # progress on (not --quiet), nothing timed
+    assert "estimate" not in capsys.readouterr().err
+    script.main([str(path)])  # by default it times each row shape first, and says so
+    err = capsys.readouterr().err.splitlines()
+    assert started == [False, False] and timed == ["mha"]
+    assert err[0] == ("estimate for sweep toy: timing 1 row shape: compile, steps, validation, "
+                      "measurement (ablate.py --no-estimate skips this)")
+    assert err[1].startswith("estimate for sweep toy: about ")
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    assert "--no-estimate" in capsys.readouterr().out
+
+
+def test_a_scaled_sweep_resumes_with_the_same_command(tmp_path, capsys):
+    """--scale-schedule from the command line: the sweep says what it scaled before it trains,
+    its sweep.yaml records the rows' scaled schedules (a report reads the same configs back),
+    and the same command again skips the finished run; without the flag it is refused."""
+    script = _ablate_script()
+    out = tmp_path / "out"
+    path = _write(tmp_path, recall_warmup={"steps": 2, "dist": 8}, lengths=[],
+                  decode_context=0, recall={"distances": [8], "per_distance": 1})
+    command = [str(path), "--scale-schedule", "train.steps=2", "--out", str(out),
+               "--no-estimate"]
+    (result,) = script.main(command)
+    err = capsys.readouterr().err
+    assert "--scale-schedule: train.eval_every 2 -> 1 (every row; train.steps 4 -> 2)" in err
+    assert "--scale-schedule: recall_warmup.steps 2 -> 1 (every row; train.steps 4 -> 2)" in err
+    assert result["steps"] == 2 and [s for s, _ in result["curve"]] == [1, 2]  # every step
+    recorded = ablate.from_resolved(yaml.safe_load((out / "sweep.yaml").read_text()))
+    assert ablate.spec.recall_spec(recorded.config(recorded.rows[0], 0)).warm_steps == 1
+    assert ablate.fingerprint(recorded, recorded.rows[0], 0) == result["fingerprint"]
+    done = out / "runs" / "mha" / "seed0" / "result.json"
+    written = done.stat().st_mtime_ns
+    (again,) = script.main(command)
+    assert done.stat().st_mtime_ns == written and again["val_loss"] == result["val_loss"]
+    with pytest.raises(ConfigError, match=r"row 'mha' seed 0: .* finished with other settings"):
+        script.main([c for c in command if c != "--scale-schedule"])

@@ -114,7 +114,7 @@ def _shape(cfg) -> str:
                       sort_keys=True, default=str)
 
 
-def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
+def estimate(sweep: Sweep, timed_steps: int = 3, say=None) -> dict:
     """The expected time of the runs a sweep has left, before any of them starts. Each
     distinct row shape (`_shape`) with runs left is timed in a scratch directory: its step
     compiled and timed for `timed_steps` steps (its seeds vmapped together, as the sweep
@@ -124,7 +124,8 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
     left, a measurement. Checkpoint writes are not in it. Returns {"units", "rows": {row:
     {compile_s, step_s, eval_s, measure_s}}, "train_s", "eval_s", "measure_s", "seconds",
     "timing_s"} (timing_s: how long the estimate itself took); seconds 0 when nothing is
-    left."""
+    left. `say(line)`, before the timing starts: how many row shapes it times (minutes
+    for a sweep of many shapes: silent until now)."""
     import math
     import tempfile
 
@@ -154,11 +155,16 @@ def estimate(sweep: Sweep, timed_steps: int = 3) -> dict:
     together = sweep.vmap_seeds
     cfg0 = sweep.config(sweep.rows[0], sweep.seeds[0])
     probes = {m: probes_for(sweep, cfg0, m) for m in (1, *sweep.lengths)}
+    shapes = {row: _shape(sweep.config(row, seeds[0])) for row, seeds in unmeasured.items()}
+    if say is not None:
+        n = len(set(shapes.values()))
+        say(f"estimate for sweep {sweep.name}: timing {n} row shape{'s' if n > 1 else ''}: "
+            f"compile, steps, validation, measurement")
     timed: dict = {}  # shape -> its timings
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row, seeds in unmeasured.items():
-            shape = _shape(sweep.config(row, seeds[0]))
+            shape = shapes[row]
             if shape not in timed:
                 timed[shape] = _time_row(sweep, row, seeds if together else seeds[:1],
                                          Path(tmp) / str(len(timed)), timed_steps, probes,
@@ -276,12 +282,14 @@ def warn_few_seeds(sweep: Sweep) -> None:
 
 
 def run(sweep, overrides=(), out=None, quiet: bool = False,
-        progress_every: int | None = None) -> list[dict]:
+        progress_every: int | None = None, estimate_first: bool = True) -> list[dict]:
     """Run (or resume) a sweep: a Sweep or a sweep file path. Returns the per-run results.
 
     Progress (dsattn.progress): on a terminal a bar over the runs and one over each run's
     steps; elsewhere a line per finished run with the sweep's ETA, and a run's own lines only
-    with `progress_every` (every N steps)."""
+    with `progress_every` (every N steps). Before training, unless `quiet` or not
+    `estimate_first`, the expected time of what is left (`estimate`: each row shape timed,
+    minutes for many shapes; the progress's own ETA needs no timing pass)."""
     if not isinstance(sweep, Sweep):
         sweep = load(sweep, overrides, out)
     _check_finished(sweep)
@@ -292,8 +300,10 @@ def run(sweep, overrides=(), out=None, quiet: bool = False,
     lock = RunDirLock(sweep.out, "being swept", "another --out")
     try:
         warn_few_seeds(sweep)  # once it runs: a refused sweep says only why
-        if not quiet:
-            print(estimate_line(sweep, estimate(sweep)), file=sys.stderr, flush=True)
+        if not quiet and estimate_first:
+            timing = estimate(sweep, say=lambda line: progress.say(
+                f"{line} (ablate.py --no-estimate skips this)"))
+            print(estimate_line(sweep, timing), file=sys.stderr, flush=True)
         return _run(sweep, quiet, progress_every)
     finally:
         lock.release()
