@@ -375,10 +375,11 @@ SCHEDULED = [*TOY, "train.steps=1000", "train.warmup_steps=30", "train.eval_ever
 
 def _scheduled(tmp_path, **sweep):
     """A sweep file of 1000 steps: warm-up 30 (row b: 50), validation every 250 and a recall
-    warm-up of 200 steps (facts within 8 tokens)."""
+    warm-up of 200 steps (facts within 8 tokens); row c sets its own train.steps."""
     return _write(tmp_path, overrides=SCHEDULED, recall_warmup={"steps": 200, "dist": 8},
                   rows=[{"name": "a", "overrides": []},
-                        {"name": "b", "overrides": ["train.warmup_steps=50"]}], **sweep)
+                        {"name": "b", "overrides": ["train.warmup_steps=50"]},
+                        {"name": "c", "overrides": ["train.steps=1000"]}], **sweep)
 
 
 def _schedule(sweep, name):
@@ -430,12 +431,15 @@ def test_scale_schedule_fits_each_rows_schedule_to_a_shorter_run(tmp_path):
     assert _schedule(scaled, "a") == (400, round(30 * factor), round(250 * factor),
                                       round(200 * factor), 8)
     assert _schedule(scaled, "b")[1] == round(50 * factor)  # a row's own value scales too
+    assert _schedule(scaled, "c") == (1000, 30, 250, 200, 8)  # its own train.steps: kept
     # one line per distinct change, naming the rows it applies to
     assert ablate.scaling(scaled) == [
         "--scale-schedule: train.warmup_steps 30 -> 12 (row a; train.steps 1000 -> 400)",
         "--scale-schedule: train.warmup_steps 50 -> 20 (row b; train.steps 1000 -> 400)",
-        "--scale-schedule: train.eval_every 250 -> 100 (every row; train.steps 1000 -> 400)",
-        "--scale-schedule: recall_warmup.steps 200 -> 80 (every row; train.steps 1000 -> 400)"]
+        "--scale-schedule: train.eval_every 250 -> 100 (rows a, b; train.steps 1000 -> 400)",
+        "--scale-schedule: recall_warmup.steps 200 -> 80 (rows a, b; train.steps 1000 -> 400)"]
+    assert ablate.scaling(ablate.select(scaled, ["a", "b"]))[2] == (
+        "--scale-schedule: train.eval_every 250 -> 100 (every row; train.steps 1000 -> 400)")
     # what the command line sets is kept, as scripts/train.py keeps it
     told = ablate.load(path, ["train.steps=400", "train.warmup_steps=7", "recall_warmup.steps=40"],
                        scale_schedule=True)
