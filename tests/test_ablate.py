@@ -139,7 +139,9 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert [(r["row"], r["seed"]) for r in results] == [
         ("mha", 0), ("mha", 1), ("mqa", 0), ("mqa", 1)]
     err = capsys.readouterr().err
-    assert "estimate for sweep toy: about " in err.splitlines()[0]  # before any training
+    # before any training: what the estimate times (minutes for many shapes), then its answer
+    assert err.splitlines()[0].startswith("estimate for sweep toy: timing 2 row shapes: ")
+    assert "estimate for sweep toy: about " in err.splitlines()[1]
     lines = sweep_lines(err)  # one line per finished run, with the sweep's ETA
     assert [line.split(";")[0] for line in lines] == [
         f"sweep toy: run {i + 1}/4 ({25 * (i + 1)}%) row {r['row']} seed {r['seed']} "
