@@ -483,6 +483,7 @@ def test_no_estimate_skips_the_timing_but_keeps_the_progress(tmp_path, monkeypat
     assert "--no-estimate" in capsys.readouterr().out
 
 
+@pytest.mark.full  # trains; the fast tier keeps the scaling's own test above
 def test_a_scaled_sweep_resumes_with_the_same_command(tmp_path, capsys):
     """--scale-schedule from the command line: the sweep says what it scaled before it trains,
     its sweep.yaml records the rows' scaled schedules (a report reads the same configs back),
