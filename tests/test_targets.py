@@ -65,6 +65,17 @@ def test_the_largest_batch_is_found_from_the_compiled_peaks():
     assert aot.max_batch(lambda b: 50 * 2**30, 45 * 2**30) is None
 
 
+def test_an_estimate_that_fits_with_room_left_is_not_the_answer():
+    """Batch 2 costs more than a row past it (a decode step's temporaries step up from 1 row
+    to 2: V4 at 128K on an H200 rose 0.13 GiB, then 0.107 GiB a row), so the line through 1
+    and 2 stops short, and its estimate fits with memory to spare: the search goes on up
+    until a batch does not fit, then narrows."""
+    def peak(b):  # 1 GiB at batch 1, 1.5 at 2, then 0.25 GiB a row
+        return (1 if b == 1 else 1.5 + 0.25 * (b - 2)) * 2**30
+
+    assert 176 - 176 // 32 <= aot.max_batch(peak, 45 * 2**30) <= 176  # 176 rows: 45 GiB
+
+
 def test_every_program_of_the_report():
     specs = aot.specs(["v4"], ["xla", "kernels"], aot.DEFAULT_PROGRAMS, mesh=False)
     by = {(s.impl, s.program, s.batch, s.length) for s in specs}

@@ -306,7 +306,9 @@ def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
     nothing is known): linear through batch 1 and 2, checked at that estimate, then
     narrowed to within 1/32 between the largest that fits and the smallest that does not,
     by the line through them (a TPU pads small batches, so batch 1 and 2 may weigh the
-    same), else halfway. None: not even batch 1 fits."""
+    same), else halfway. An estimate that fits is not the answer: batch 2 may cost more
+    than a row past it, so the line through the two largest that fit goes on up until a
+    batch does not fit (or gains less than 1/32). None: not even batch 1 fits."""
     p1, p2 = peak_at(1), peak_at(2)
     if p1 is None or p1 > usable:
         return None
@@ -314,10 +316,15 @@ def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
         return 1
     per_row = max(p2 - p1, 1)
     lo, p_lo = 2, p2  # fits
-    hi = max(2, min(cap, int((usable - (p1 - per_row)) // per_row)))
-    p_hi = peak_at(hi)
-    if p_hi is not None and p_hi <= usable:
-        return hi
+    hi = max(3, min(cap, int((usable - (p1 - per_row)) // per_row)))
+    while (p_hi := peak_at(hi)) is not None and p_hi <= usable:
+        if hi >= cap:
+            return hi
+        per_row = max((p_hi - p_lo) / (hi - lo), 1)
+        lo, p_lo = hi, p_hi
+        hi = min(cap, lo + int((usable - p_lo) // per_row))
+        if hi - lo <= max(1, lo // 32):
+            return lo
     while hi - lo > max(1, lo // 32):
         mid = (lo + hi) // 2
         if p_hi is not None and p_hi > p_lo:  # where the line through both meets `usable`
