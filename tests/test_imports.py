@@ -1,6 +1,6 @@
 """The dsattn package's module structure: its import graph has no cycle (imports deferred into
 functions or under TYPE_CHECKING count: they only hide a circle), and docs/design.md's module
-map has a line for every module (README's Layout as well)."""
+map has a line for every module (docs/layout.md's list as well)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _section(text: str, start: str, end: str) -> str:
 
 def test_the_design_module_map_names_every_module():
     """docs/design.md's module map (a table row per module) names every dsattn/**/*.py file,
-    and no file that does not exist; README.md's Layout section names every one too."""
+    and no file that does not exist; docs/layout.md's list names every one too."""
     files = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
     design = _section((ROOT / "docs" / "design.md").read_text(), "## Module map", "\n## ")
     rows = re.findall(r"^\| `(dsattn/[\w/]+\.py)` \|", design, re.M)
@@ -112,11 +112,11 @@ def test_the_design_module_map_names_every_module():
     missing, stale = sorted(files - set(rows)), sorted(set(rows) - files)
     assert not missing, f"docs/design.md's module map has no row for: {', '.join(missing)}"
     assert not stale, f"docs/design.md's module map names missing files: {', '.join(stale)}"
-    layout = _section((ROOT / "README.md").read_text(), "## Layout", "\n## ")
+    layout = (ROOT / "docs" / "layout.md").read_text()
     named = set(re.findall(r"^(dsattn/[\w/]+\.py)\s", layout, re.M))
     missing, stale = sorted(files - named), sorted(named - files)
-    assert not missing, f"README.md's Layout has no line for: {', '.join(missing)}"
-    assert not stale, f"README.md's Layout names missing files: {', '.join(stale)}"
+    assert not missing, f"docs/layout.md has no line for: {', '.join(missing)}"
+    assert not stale, f"docs/layout.md names missing files: {', '.join(stale)}"
 
 
 def test_bench_does_not_import_ablate():
