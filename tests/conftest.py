@@ -203,8 +203,8 @@ FULL = {
     "tests/test_hadamard.py::test_rotated_fp4_keys_decode_equals_the_fake_quant_forward[v41]":
         "test_v4's quantized-cache case keeps DSA's FP4 keys (rotated)",
     # the fast tier within 7 minutes on a fresh clone (9:30 before these moves)
-    "tests/test_readme.py::test_python_block_runs_as_written[README.md#2]":
-        "a trained run's block; README.md#0, #1 (the library's API) stay, and test_scripts "
+    "tests/test_readme.py::test_python_block_runs_as_written[README.md#0]":
+        "a trained run's block; README.md#1 (the library's API) stays, and test_scripts "
         "generates and evaluates from a run",
     "tests/test_readme.py::test_python_block_runs_as_written[docs/design.md#0]":
         "the API of README.md#1 on V4.1; test_properties[v41] stays",
@@ -244,7 +244,7 @@ FULL = {
         "[mha] stays",
     "tests/test_blocks.py::test_remat_changes_no_number": "every case: a rematerialisation "
         "policy; every fast training test runs the default one",
-    "tests/test_readme.py::test_python_block_runs_as_written[README.md#0]":
+    "tests/test_readme.py::test_python_block_runs_as_written[docs/multi_device.md#0]":
         "README.md#1 (the library's API) stays; the sharded engine: tests/sharding_checks.py",
     "tests/test_precision.py::test_trainer_under_bf16_compute_steps_float32_weights":
         "test_bf16_compute_keeps_float32_parameters_and_adamw_moments stays",
