@@ -63,7 +63,7 @@ first token and inter-token latency (median, p99), into ``serve.{json,txt}``.
 wall time, into ``seeds.{json,txt}``.
 
 Prints tables, writes ``bench.json`` and ``decode.png``, ``prefill.png``, ``roofline.png``
-under ``--out``, and checks the benchmark's targets (listed in the README) against the
+under ``--out``, and checks the benchmark's targets (listed in docs/scripts.md) against the
 measured numbers. The measuring and reporting are dsattn.bench (suite, measures, report,
 peer_hf).
 """

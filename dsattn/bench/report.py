@@ -1,4 +1,4 @@
-"""The benchmark's report: its targets (listed in the README, "Scripts") checked against a
+"""The benchmark's report: its targets (listed in docs/scripts.md) checked against a
 result of ``suite.run``, the printed tables, the JSON file and the plots (decode.png,
 prefill.png, roofline.png).
 
