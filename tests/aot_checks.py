@@ -29,7 +29,8 @@ from dsattn.kernels import mesh as kernel_mesh  # noqa: E402
 CONFIGS = os.path.join(ROOT, "configs", "small")
 TRAIN = (2, 1024)  # rows x tokens
 CONTEXT = 4096
-# name: (target, mesh, program, preset): every kernel family, on each kind of target
+# name: (target, mesh, program, preset[, (rows, context)]): every kernel family, on each kind
+# of target
 CHECKS = {
     # the dense / window kernel, forward and backward (MLA's expanded heads)
     "h100/train/mla": ("h100", False, "train", "mla"),
@@ -47,15 +48,18 @@ CHECKS = {
     "v5e/decode/v4": ("v5e", False, "decode", "v4"),
     # ... and in a prefill chunk (a thousand queries a call: the kernel tiles them for VMEM)
     "v5e/prefill/dsa": ("v5e", False, "prefill", "dsa"),
+    # ... and over a batch whose page tables pass SMEM (40 rows x 8,192 pages at 128K)
+    "v5e/decode/v41-many-rows": ("v5e", False, "decode", "v41", (40, 131072)),
     "v5e-mesh/decode/dsa": ("v5e", True, "decode", "dsa"),
     "v5e-mesh/train/v4": ("v5e", True, "train", "v4"),
 }
 
 
 def check(target: targets.Target, mesh: bool, program: str, preset: str,
-          sized_for: targets.Target | None = None) -> dict:
-    """A check's row; ``sized_for``: the target whose limits the kernels' tiles follow (by
-    default the one compiled for)."""
+          shape: tuple | None = None, sized_for: targets.Target | None = None) -> dict:
+    """A check's row; ``shape``: a decode step's (rows, context) (by default a row per chip at
+    CONTEXT); ``sized_for``: the target whose limits the kernels' tiles follow (by default the
+    one compiled for)."""
     devices = target.devices(mesh=mesh)
     cfg = aot.preset_config(CONFIGS, preset, "kernels")
     with targets.building_for(sized_for or target):
@@ -65,7 +69,8 @@ def check(target: targets.Target, mesh: bool, program: str, preset: str,
         elif program == "prefill":
             traced, facts = aot.prefill(cfg, devices, len(devices), CONTEXT, mesh)
         else:
-            traced, facts = aot.decode(cfg, devices, len(devices), CONTEXT, mesh)
+            traced, facts = aot.decode(cfg, devices, *(shape or (len(devices), CONTEXT)),
+                                       mesh)
     row = aot.analyse(traced, facts, target, cfg.model.n_layers)
     row["implementations"] = aot.choices(cfg, target.platform)
     return row
@@ -78,7 +83,7 @@ def main(names):
     out = {}
     for name in names or CHECKS:
         base, _, variant = name.partition(":")
-        t, mesh, program, preset = CHECKS[base]
+        t, mesh, program, preset, *shape = CHECKS[base]
         target, sized_for = targets.load(t), None
         if variant == "oversized":
             sized_for = dataclasses.replace(target, gpu={
@@ -87,7 +92,7 @@ def main(names):
             kernel_mesh.by_rows = lambda f, batch, rows, whole=(): f(rows, whole)
         elif variant:
             raise ValueError(f"unknown variant {variant!r}")
-        out[name] = check(target, mesh, program, preset, sized_for)
+        out[name] = check(target, mesh, program, preset, *shape, sized_for=sized_for)
     print(json.dumps(out))
 
 

@@ -46,6 +46,7 @@ CALLS = {  # the kernels each check's program must launch
     "h100-mesh/decode/v41": {"decode_attention", "indexer_score"},
     "v5e/decode/v4": {"indexer_score"},
     "v5e/prefill/dsa": {"indexer_score"},  # a chunk of queries: tiled to fit VMEM
+    "v5e/decode/v41-many-rows": {"indexer_score"},  # calls over groups of rows: SMEM
     "v5e-mesh/decode/dsa": {"indexer_score"},
     "v5e-mesh/train/v4": set(),  # no TPU attention kernel: the reads are XLA's
 }

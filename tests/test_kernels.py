@@ -11,7 +11,8 @@ import pytest
 
 from dsattn.attention import indexer
 from dsattn.cache import paged
-from dsattn.kernels.indexer_score import KERNEL_FORMATS, paged_scores_tpu, reference_scores
+from dsattn.kernels.indexer_score import (KERNEL_FORMATS, paged_scores_tpu, reference_scores,
+                                          rows_per_call_for)
 from dsattn.kernels.indexer_score_gpu import paged_scores_gpu
 
 B, MAX_ENTRIES, PS, H, D = 3, 20, 8, 4, 128
@@ -90,6 +91,17 @@ def test_tpu_kernel_tiles_many_queries_into_blocks(fmt):
     fields, cache = _scrambled_cache(fmt)
     check_kernel(functools.partial(paged_scores_tpu, query_block=8), fmt, 19, cache,
                  interpret=True)
+
+
+def test_tpu_kernel_runs_a_large_batch_as_calls_over_groups_of_rows():
+    """A page table larger than SMEM holds runs as a loop of calls over groups of rows: 3 rows
+    as 2 groups of 2, the last padded with an empty row, score as the reference does."""
+    fields, cache = _scrambled_cache("fp8_ue8m0")
+    check_kernel(functools.partial(paged_scores_tpu, rows_per_call=2), "fp8_ue8m0", 3, cache,
+                 interpret=True)
+    assert rows_per_call_for(8192) == 8  # 32 KiB of table a row at 128K entries, 16 a page
+    with pytest.raises(ValueError, match="page table of 100000 pages"):
+        rows_per_call_for(100_000)
 
 
 def test_reference_block_maxima_and_truncation():

@@ -89,3 +89,23 @@ def test_every_program_of_the_report():
     assert on_mesh == {("train", 8, 8192), ("decode", 8, 32768), ("decode", 8, 131072)}
     with pytest.raises(ValueError, match="unknown program 'fly'"):
         aot.specs(["v4"], ["xla"], ["fly"], mesh=False)
+
+
+def test_a_refused_batch_never_fits_the_search():
+    """libtpu names only the temporaries it asked for, and refuses them against its own
+    limit: on a v6e 31.33 GiB of temporaries were refused (31.25 available) though that is
+    below the target's usable bytes, and the search took the refusal for a batch that fits."""
+    usable = 31.36 * 2**30
+    refused = {"compiled": False, "fits": False, "asked_bytes": int(31.33 * 2**30)}
+    assert aot.search_weight(refused, usable) > usable
+    assert aot.search_weight({"compiled": False, "fits": False,
+                              "asked_bytes": 40 * 2**30}, usable) == 40 * 2**30
+    assert aot.search_weight({"compiled": False, "error": "smem"}, usable) is None
+    assert aot.search_weight({"compiled": True, "peak_bytes": 7}, usable) == 7
+
+    def peak(b):  # refused from 824 rows on, each asking less than `usable`
+        row = ({"compiled": False, "fits": False, "asked_bytes": int(31.3 * 2**30)}
+               if b >= 824 else {"compiled": True, "peak_bytes": int((0.3 + 0.0377 * b) * 2**30)})
+        return aot.search_weight(row, usable)
+
+    assert 823 - 823 // 32 <= aot.max_batch(peak, usable) < 824

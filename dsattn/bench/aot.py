@@ -338,6 +338,18 @@ def max_batch(peak_at, usable: float, cap: int = 1 << 14) -> int | None:
     return lo
 
 
+def search_weight(row: dict, usable: int) -> int | None:
+    """A row's bytes for `max_batch`: a compiled program's peak; for one refused for its size,
+    what it asked for, and never a size that fits (libtpu names only the temporaries and
+    refuses them against its own limit, which may be below `usable`); None for any other
+    failure."""
+    if row.get("compiled"):
+        return row["peak_bytes"]
+    if row.get("fits") is False and "asked_bytes" in row:
+        return max(row["asked_bytes"], usable + 1)
+    return None
+
+
 def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print) -> list:
     """The report rows of one Spec (decode_max and serve give several)."""
     cfg = preset_config(configs_dir, spec.preset, spec.impl)
@@ -394,7 +406,7 @@ def rows_for(spec: Spec, target: targets.Target, devices, configs_dir, log=print
                 if b not in found:
                     found[b] = row(spec.program, lambda: built(
                         program, cfg, devices, b, spec.length, spec.mesh), b, spec.length)
-                return found[b].get("peak_bytes", found[b].get("asked_bytes"))
+                return search_weight(found[b], target.usable_bytes)
 
             b = max_batch(peak_at, target.usable_bytes)
             if b is None:

@@ -26,7 +26,8 @@ maxima[b, t, i] = max of the visible scores i*Bk .. (i+1)*Bk-1 (-inf if none), f
 (flattened) and lengths are scalar-prefetched (``pltpu.PrefetchScalarGridSpec``); each step's
 key BlockSpec index_map picks page ``max(page_table[b, p], 0)`` of the pool, so only the row's
 own pages are fetched, one page per step; slots at or past the row's length skip the matmul
-and write -inf. A query block is at most ``query_block_for``'s rows, so that a prefill chunk's
+and write -inf. The prefetched table lives in SMEM (1 MiB on v5e and v6e), so a batch whose
+table is larger runs as a loop of calls over groups of rows (``rows_per_call_for``). A query block is at most ``query_block_for``'s rows, so that a prefill chunk's
 thousand queries fit VMEM as a decode step's one does (v5e's scoped VMEM is 16 MiB; a chunk's
 queries and dots in one block asked for more and failed the compile). Every block's last two
 dims equal the full array dims (keys [1, page_size, d], scales [1, page_size, d/128] or
@@ -242,13 +243,33 @@ def query_block_for(T: int, n_heads: int, d: int, page_size: int) -> int:
     return -(-t8 // n_blocks // 8) * 8 if n_blocks > 1 else t8
 
 
+# Bytes of SMEM one call's scalar-prefetched page table may take: a quarter of v5e's and v6e's
+# 1 MiB (a whole table of 32 rows x 8,192 pages filled it and failed the compile). A batch
+# whose table is larger runs as a loop of calls, each over a group of rows.
+SMEM_TABLE_BUDGET = 256 << 10
+
+
+def rows_per_call_for(n_pages: int) -> int:
+    """Rows whose page tables (int32, ``n_pages`` slots each) fit SMEM_TABLE_BUDGET."""
+    rows = SMEM_TABLE_BUDGET // (4 * n_pages)
+    if rows < 1:
+        raise ValueError(
+            f"paged_scores_tpu: a row's page table of {n_pages} pages ({4 * n_pages} bytes) "
+            f"passes the kernel's SMEM budget of {SMEM_TABLE_BUDGET} bytes; use larger pages "
+            f"(cache.page_size) or indexer.impl=xla")
+    return rows
+
+
 def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
                      interpret: bool | None = None, max_entries: int | None = None,
-                     block_max: int | None = None, query_block: int | None = None):
+                     block_max: int | None = None, query_block: int | None = None,
+                     rows_per_call: int | None = None):
     """Pallas TPU score pass: float32 [B, T, P*page_size] (-inf where invisible), equal to
     ``reference_scores``; (scores, maxima) with ``block_max``. ``interpret``: as
     kernels/platform.py's (None: compiled for a TPU, interpreted for a CPU);
-    ``query_block``: queries per grid step, a multiple of 8 (None: ``query_block_for``)."""
+    ``query_block``: queries per grid step, a multiple of 8 (None: ``query_block_for``);
+    ``rows_per_call``: rows per kernel call, more run as a loop of calls (None:
+    ``rows_per_call_for``, what SMEM holds of the page table)."""
     q32, key_arrays = kernel_inputs(q, pages, fmt, "paged_scores_tpu")
     page_table = jnp.asarray(page_table, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
@@ -286,17 +307,31 @@ def paged_scores_tpu(q, w, pages, page_table, length, n_visible, fmt: str, *,
     ] + [pl.BlockSpec((1, ps, a.shape[2]), key_map) for a in key_arrays]
     widths = [ps] + ([] if block_max is None else [ps // block_max])
     out_specs = [pl.BlockSpec((1, 1, tq, n), out_map) for n in widths]
-    out_shape = [jax.ShapeDtypeStruct((B, P, n_q * tq, n), jnp.float32) for n in widths]
-    # the page slot innermost: a query block is fetched once and scored against every page
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(B, n_q, P), in_specs=in_specs, out_specs=out_specs)
     kernel = functools.partial(_score_kernel, fmt=fmt, n_heads=H, t8=tq, ps=ps,
                                n_keys=len(key_arrays), block_max=block_max)
-    outs = platform.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=out_shape,
-        interpret=interpret, name="indexer_score",
-    )(page_table.reshape(-1), length, q_hm, w32, nv3, *key_arrays)
+
+    def call(table, lengths, q_rows, w_rows, nv_rows):
+        """One kernel call over ``len(table)`` rows."""
+        rows = table.shape[0]
+        # the page slot innermost: a query block is fetched once and scored against every page
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(rows, n_q, P), in_specs=in_specs, out_specs=out_specs)
+        return platform.pallas_call(
+            kernel, grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct((rows, P, n_q * tq, n), jnp.float32)
+                       for n in widths],
+            interpret=interpret, name="indexer_score",
+        )(table.reshape(-1), lengths, q_rows, w_rows, nv_rows, *key_arrays)
+
+    per_call = rows_per_call or rows_per_call_for(P)
+    args = (page_table, length, q_hm, w32, nv3)
+    if B <= per_call:
+        outs = call(*args)
+    else:  # groups of rows, the last padded with empty rows (length 0: nothing is read)
+        groups = -(-B // per_call)
+        grouped = [jnp.pad(a, [(0, groups * per_call - B)] + [(0, 0)] * (a.ndim - 1)).reshape(
+            (groups, per_call) + a.shape[1:]) for a in args]
+        outs = [o.reshape((groups * per_call,) + o.shape[2:])[:B]
+                for o in jax.lax.map(lambda g: call(*g), grouped)]
     outs = [jnp.transpose(o, (0, 2, 1, 3)).reshape(B, n_q * tq, -1)[:, :T] for o in outs]
     return truncate(outs[0], outs[1] if block_max else None, block_max, max_entries)
