@@ -509,6 +509,9 @@ def overridden_keys(overrides) -> set[tuple[str, str]]:
 # The steps a run counts in: each should fit in train.steps (the key, where it applies).
 SCHEDULE_STEPS = (("train", "warmup_steps"), ("indexer", "dense_warmup_steps"),
                   ("train", "eval_every"))
+# How often a run records (Kind.RECORDING: a resume takes new values): scaled with the
+# schedule by --scale-schedule, so a short run checkpoints and logs as often for its length.
+CADENCE_STEPS = (("train", "ckpt_every"), ("train", "log_every"))
 
 
 def short_schedule(cfg: Config) -> list[tuple[str, int]]:
@@ -527,19 +530,75 @@ def _preset_steps(raw: dict) -> int:
                    "train.steps")
 
 
+def preset_steps(path) -> int:
+    """The train.steps of the preset at `path` (before overrides)."""
+    return _preset_steps(_read_preset(path))
+
+
 def scale_schedule_of(cfg: Config, preset_steps: int, overridden=frozenset()) -> Config:
-    """The SCHEDULE_STEPS keys not in `overridden` scaled by train.steps / preset_steps when
-    the run is the shorter (each at least 1 step): a preset's schedule fitted to a short run
-    (scripts/train.py --scale-schedule)."""
+    """The SCHEDULE_STEPS and CADENCE_STEPS keys not in `overridden` scaled by train.steps /
+    preset_steps when the run is the shorter (each from 1 step to train.steps): a preset's
+    schedule fitted to a short run (scripts/train.py --scale-schedule)."""
     steps = cfg.train.steps
     if not 0 < steps < preset_steps:
         return cfg
     scaled = {}
-    for sec, key in SCHEDULE_STEPS:
+    for sec, key in SCHEDULE_STEPS + CADENCE_STEPS:
         value = getattr(getattr(cfg, sec), key)
         if (sec, key) not in overridden and value:
-            scaled[sec, key] = max(1, round(value * steps / preset_steps))
+            scaled[sec, key] = min(steps, max(1, round(value * steps / preset_steps)))
     return with_values(cfg, scaled)
+
+
+# What a short run (configs/tiny: 600 steps of 16 x 128 tokens) trains with where the rest
+# of a preset is at its own scale: the tiny presets' rate, a top-k of a quarter of the
+# entries an indexer chooses from (their dsa and v4) and a window of an eighth of the
+# sequence. tests/test_schedule.py checks the tiny presets still say so.
+SHORT_RUN_LR = 3e-3
+
+
+def _lr_advice(cfg: Config, preset_steps: int):
+    if cfg.train.lr < SHORT_RUN_LR:
+        return SHORT_RUN_LR, (f"the preset's rate for {preset_steps:,} steps; configs/tiny's "
+                              f"short runs use {SHORT_RUN_LR:g}")
+
+
+def _top_k_advice(cfg: Config, preset_steps: int):
+    # the indexed layer choosing from the fewest entries at train.seq_len
+    n, kind = min(((cfg.train.seq_len // s.stride, s.name) for s in plan.resolve(cfg)
+                   if s.kind.scans_keys), default=(math.inf, ""))
+    if cfg.attention.top_k >= n:
+        return max(1, n // 4), (f"{kind} picks from only {n} entries at train.seq_len="
+                                f"{cfg.train.seq_len}: its sparse attention is dense")
+
+
+def _window_advice(cfg: Config, preset_steps: int):
+    t = cfg.train.seq_len
+    if cfg.attention.window >= t and any(s.kind.window for s in plan.resolve(cfg)):
+        return max(1, t // 8), (f"it spans all {t} tokens of train.seq_len: every layer "
+                                f"attends densely")
+
+
+# ((section, key), rule(cfg, preset_steps) -> (value to try, why) or None): keys that
+# depend on a run's scale but are no step counts, so --scale-schedule leaves them alone.
+SHORT_RUN_RULES = ((("train", "lr"), _lr_advice), (("attention", "top_k"), _top_k_advice),
+                   (("attention", "window"), _window_advice))
+
+
+def short_run_advice(cfg: Config, preset_steps: int, overridden=frozenset()) -> list[str]:
+    """For a run shorter than its preset's `preset_steps`: a line per SHORT_RUN_RULES key
+    not in `overridden` whose value suits the preset's run and not this one, with a value
+    to try and why; [] when none applies (scripts/train.py --scale-schedule prints them)."""
+    if not cfg.train.steps < preset_steps:
+        return []
+    lines = []
+    for (sec, key), rule in SHORT_RUN_RULES:
+        advice = None if (sec, key) in overridden else rule(cfg, preset_steps)
+        if advice:
+            value, why = advice
+            lines.append(f"{sec}.{key}={getattr(getattr(cfg, sec), key):g}: {why}; try "
+                         f"{sec}.{key}={value:g}")
+    return lines
 
 
 _DEPTH_KEYS = (("attention", "layers"), ("attention", "ratios"), ("attention", "ced_split"))
@@ -616,7 +675,8 @@ def load_scaled(path, overrides=()) -> tuple[Config, dict]:
     plain, cfg = from_dict(raw, overrides), from_dict(raw, overrides, scale_schedule=True)
     value = lambda c, sec, key: getattr(getattr(c, sec), key)  # noqa: E731
     scaled = {f"{sec}.{key}": [value(plain, sec, key), value(cfg, sec, key)]
-              for sec, key in SCHEDULE_STEPS if value(plain, sec, key) != value(cfg, sec, key)}
+              for sec, key in SCHEDULE_STEPS + CADENCE_STEPS
+              if value(plain, sec, key) != value(cfg, sec, key)}
     if not scaled:
         return cfg, {}
     return cfg, {"preset_steps": _preset_steps(raw), "steps": cfg.train.steps, "scaled": scaled}

@@ -39,7 +39,8 @@ def load_config(path, overrides=(), run_dir=None, *, scale_schedule: bool = Fals
     (its config.yaml) for the keys the record scaled and the command line does not set, so
     rerunning with more steps resumes with the same warm-ups instead of rescaling them (the
     indexer's is a model key: a resume refuses another value). `record` is then the run's
-    own. A rerun without --scale-schedule whose values differ is refused, naming them."""
+    own. A rerun without --scale-schedule whose values differ is refused, naming them; the
+    cadences (config.CADENCE_STEPS) excepted: a resume takes new recording values."""
     cfg, record = (config.load_scaled(path, overrides) if scale_schedule
                    else (config.load(path, overrides), {}))
     run_dir = Path(run_dir or f"runs/{cfg.name}")
@@ -51,7 +52,8 @@ def load_config(path, overrides=(), run_dir=None, *, scale_schedule: bool = Fals
     if not scale_schedule:
         value = lambda sec, key: getattr(getattr(cfg, sec), key)  # noqa: E731
         differ = [f"{sec}.{key} {saved[sec][key]} -> {value(sec, key)}" for sec, key in keys
-                  if value(sec, key) != saved.get(sec, {}).get(key, value(sec, key))]
+                  if (sec, key) not in config.CADENCE_STEPS
+                  and value(sec, key) != saved.get(sec, {}).get(key, value(sec, key))]
         if differ:
             raise ConfigError(
                 f"{run_dir} was trained with --scale-schedule ({trained['steps']} of the "

@@ -38,10 +38,11 @@ def main(argv=None):
                          "data (the steps would train on other batches than the run's)")
     ap.add_argument("--scale-schedule", action="store_true",
                     help="a train.steps override shorter than the preset's scales its "
-                         "warmup_steps, indexer.dense_warmup_steps and eval_every by the same "
-                         "factor (those not overridden too); the run directory records it "
-                         "(schedule.json), and a rerun with more steps keeps the values the "
-                         "run trained with")
+                         "warmup_steps, indexer.dense_warmup_steps, eval_every, ckpt_every "
+                         "and log_every by the same factor (those not overridden too; at most "
+                         "train.steps) and prints what else a short run may want (lr, top-k, "
+                         "window); the run directory records the scaling (schedule.json), and "
+                         "a rerun with more steps keeps the values the run trained with")
     ap.add_argument("--estimate", action="store_true",
                     help="compile the run's step, time a few steps and a validation, print "
                          "s/step, tokens/s, the compile time and the run's expected time, and "
@@ -51,7 +52,12 @@ def main(argv=None):
     sharding.initialize_distributed()  # before jax touches a device
     cfg, run_dir, scaled = rundir.load_config(args.config, args.overrides, args.run_dir,
                                               scale_schedule=args.scale_schedule)
-    explicit_vocab = ("model", "vocab_size") in config.overridden_keys(args.overrides)
+    given = config.overridden_keys(args.overrides)
+    advice = args.scale_schedule and config.short_run_advice(
+        cfg, config.preset_steps(args.config), given)
+    if advice:  # what the scaling leaves at the preset's scale, before anything compiles
+        print("for a short run consider:\n" + "\n".join(f"  {a}" for a in advice), flush=True)
+    explicit_vocab = ("model", "vocab_size") in given
     if args.estimate:  # a scratch directory: the run directory is only read
         progress.say(f"estimate for {cfg.name}: compiling and timing its step and a "
                      f"validation (minutes for a big model)")
