@@ -36,7 +36,9 @@ The sweep file (YAML; commented example: examples/csa_ratio_sweep.yaml; docs/abl
   recall_warmup: {steps: 200, dist: 8}   the first 200 steps' facts at most 8 tokens back
                                      (a recall data.source; its warm_steps=,warm_dist=
                                      spelling inside data.source still reads the same)
-  lengths: [2, 4]                    also evaluated at these multiples of train.seq_len
+  lengths: [2, 4]                    also evaluated at these multiples M: loss on M x
+                                     train.seq_len tokens, recall on M x recall.seq_len
+                                     (multi-query: the 1x probes after earlier tokens)
   decode_context: 4096               decode step timing context (0: none)
   vmap_seeds: true                   a row's seeds as one vmapped model
   out: runs/ablations/csa_ratio      the sweep directory (--out wins)

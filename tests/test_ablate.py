@@ -174,6 +174,7 @@ def test_toy_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert not [k for k in summary["mha"] if k.startswith("decode_ms")]
     text = ablate.table(results)
     assert "dec ms" not in text.splitlines()[0] and "not shown: dec ms: " in text
+    assert "x2: recall on 96-token rows: new probes with the facts 2x farther back" in text
     assert "mha vs mqa: loss " in text and "recall all d " in text
     mha, mqa = results[0], results[2]
     # KV bytes per token from the run's config: K and V of 4 heads (or 1) x 8 dims x 4 bytes
@@ -300,6 +301,9 @@ def test_mqar_sweep_evaluates_past_its_training_length(tmp_path):
     (r,) = ablate.run(path, out=tmp_path / "sweep", quiet=True)
     assert set(r["recall"]) == set(r["beyond"]["2"]["recall"]) == {"2", "46"}
     assert 0 < r["beyond"]["2"]["val_loss"] < 8
+    assert r["beyond"]["2"]["recall_seq_len"] == r["beyond"]["2"]["loss_seq_len"] == 96
+    assert ("x2: recall on 96-token rows: the 1x probe rows after 48 earlier tokens (the same "
+            "facts and distances)") in ablate.table([r])
     # through the decode cache too (native float32 cache: the forward's predictions, but
     # float32 rounding may flip a near tie, so not asserted equal here)
     assert set(r["recall_cache"]) == {"2", "46"}

@@ -28,9 +28,12 @@ run whose config (its execution keys aside: block sizes, remat...) or measuremen
 settings changed since is refused (another --out). results.json / results.csv (one line per
 run) and summary.csv (one line per row: mean, standard deviation and 95% interval over its
 seeds of every metric, dsattn.seedstats) are rewritten after every run, plots at the end.
-Every run is also evaluated beyond its training length (`lengths`, multiples of
-train.seq_len): held-out loss, and recall with probes as many times longer and facts as many
-times farther back.
+Every run is also evaluated beyond its training length (`lengths`, multiples M): held-out
+loss on windows of M x its train.seq_len, and recall on rows of M x the probe length
+(recall.seq_len, train.seq_len by default): multi-query recall puts earlier tokens before the
+1x probe rows (the same facts and distances), byte recall draws new probes with the facts M
+times farther back (measure.probes_for; docs/ablations/README.md, "Past the training
+length").
 A second process on the same sweep directory is refused (RunDirLocked naming the holder's
 pid), as a second writer of a run directory is.
 """

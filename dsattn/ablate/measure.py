@@ -59,9 +59,12 @@ def loss_unit(cfg) -> str:
 
 def row_facts(sweep: Sweep, row: Row, cfg) -> dict:
     """What a run's numbers are read against, the same for every seed of a row: its window
-    reach, recall's chance level, the loss's unit and KV figures (own config, full size)."""
+    reach, recall's chance level and probes (their length and count per distance), its
+    training length, the loss's unit and KV figures (own config, full size)."""
     full, applied, skipped = full_size_config(sweep, row)
     return {"reach": window_reach(cfg), "recall_chance": recall.chance(recall_spec(cfg)),
+            "probe_len": sweep.probe_len, "per_distance": sweep.per_distance,
+            "train_seq_len": cfg.train.seq_len,
             "loss_unit": loss_unit(cfg), "kv": kv_figures(cfg),
             "kv_full": kv_figures(full) if full is not None else None,
             "full_overrides_applied": applied, "full_overrides_skipped": skipped,
@@ -70,17 +73,24 @@ def row_facts(sweep: Sweep, row: Row, cfg) -> dict:
 
 def complete(sweep: Sweep, results: list[dict]) -> list[dict]:
     """Results saved before a field of `row_facts` existed, with it filled in from the
-    sweep's configs (rows the sweep no longer has are left as they are)."""
+    sweep's configs, and the lengths each multiple ran at (`measure`'s recall_seq_len,
+    loss_seq_len) where they were not recorded (rows the sweep no longer has are left as
+    they are)."""
     rows = {r.name: r for r in sweep.rows}
     out = []
     for r in results:
         if r.get("row") in rows and "error" not in r:
             row = rows[r["row"]]
-            facts = row_facts(sweep, row, sweep.config(row, r.get("seed", sweep.seeds[0])))
+            cfg = sweep.config(row, r.get("seed", sweep.seeds[0]))
+            facts = row_facts(sweep, row, cfg)
+            beyond = {m: {"recall_seq_len": int(m) * sweep.probe_len,
+                          "loss_seq_len": int(m) * cfg.train.seq_len, **b}
+                      for m, b in (r.get("beyond") or {}).items()}
             r = {**r, **{k: v for k, v in facts.items() if k not in r},
                  "kv": {**facts["kv"], **(r.get("kv") or {})},
                  "kv_full": (None if facts["kv_full"] is None else
-                             {**facts["kv_full"], **(r.get("kv_full") or {})})}
+                             {**facts["kv_full"], **(r.get("kv_full") or {})}),
+                 **({"beyond": beyond} if "beyond" in r else {})}
         out.append(r)
     return out
 
@@ -133,8 +143,13 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
     trainer, cfg = run.trainer, run.trainer.cfg
     model = trainer.model()
     acc = recall_eval.accuracy(model, probes[1])
+    # recall on probes[m] (rows m x probe_len), loss on windows of m x the row's seq_len:
+    # each length records the lengths it ran at and whether its rows end with the 1x rows
     beyond = {str(m): {"val_loss": _held_out_loss(model, cfg, m * cfg.train.seq_len),
-                       "recall": {str(d): a for d, a in recall_eval.accuracy(model, p).items()}}
+                       "recall": {str(d): a for d, a in recall_eval.accuracy(model, p).items()},
+                       "recall_seq_len": int(p.tokens.shape[1]),
+                       "loss_seq_len": m * cfg.train.seq_len,
+                       "same_probes_as_1x": _ends_with(p, probes[1])}
               for m, p in probes.items() if m > 1}
     decode_ms = None
     if sweep.decode_context:
@@ -152,28 +167,73 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
         # through the decode cache, as deployed (its formats), when the sweep asks for it
         **({"recall_cache": {str(d): a for d, a in recall_eval.cache_accuracy(
             model, probes[1]).items()}} if sweep.through_cache else {}),
-        "beyond": beyond,  # {multiple of train.seq_len: held-out loss, recall by distance}
+        # {multiple: held-out loss, recall by distance, the lengths they ran at}
+        "beyond": beyond,
         # this session's share of the run: its training (a group's time over its seeds)
         # and its measurements
         "wall_s": run.train_s + time.perf_counter() - start,
     }
 
 
+def _ends_with(p: recall.Probes, one: recall.Probes) -> bool:
+    """Each of p's rows is the 1x row `one` after earlier tokens (same answers, distances)."""
+    n = one.tokens.shape[1]
+    return bool(p.tokens.shape[0] == one.tokens.shape[0] and p.tokens.shape[1] >= n
+                and (p.tokens[:, -n:] == one.tokens).all()
+                and (p.distance == one.distance).all())
+
+
 def probes_for(sweep: Sweep, cfg, times: int = 1) -> recall.Probes:
     """Recall probes shared by every run: contexts from the recall validation stream when the
     sweep trains on one, else from a fresh noise stream. With `times`, rows that many times
     longer: byte recall places facts that many times farther back (distances past
-    recall.MAX_DIST left out); multi-query recall (facts within a block) keeps the distances
-    and puts earlier blocks before the probe, so it sits past the training length."""
+    recall.MAX_DIST left out: new probes); multi-query recall (facts within a block) puts
+    (times - 1) x probe_len earlier tokens before each 1x row (`_after_earlier_tokens`), so
+    at every multiple the same facts, distances and answers sit past the training length."""
     spec, background = recall_spec(cfg), None
     if spec is not None:
         background = data.recall_streams(spec, cfg.data.val_fraction, cfg.data.max_bytes)[1]
-        if len(background) < times * sweep.probe_len:
-            background = None
     spec = spec or recall.RecallSpec()
     if spec.format == "mqar":
-        return recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
-                             background, prefix=(times - 1) * sweep.probe_len)
+        one = recall.probes(sweep.distances, sweep.per_distance, sweep.probe_len, spec,
+                            background if background is not None
+                            and len(background) >= sweep.probe_len else None)
+        if times == 1:
+            return one
+        longest = max((times, *sweep.lengths))  # one prefix per row: x2's rows end x4's
+        rows = _after_earlier_tokens(one, (longest - 1) * sweep.probe_len, spec, background)
+        cut = (longest - times) * sweep.probe_len
+        return recall.Probes(rows.tokens[:, cut:], rows.answer_pos - cut, rows.distance)
+    if background is not None and len(background) < times * sweep.probe_len:
+        background = None
     most = recall.distance_bounds(spec, times * sweep.probe_len)[1]
     dists = [times * d for d in sweep.distances if times * d <= min(most, recall.MAX_DIST)]
     return recall.probes(dists, sweep.per_distance, times * sweep.probe_len, spec, background)
+
+
+def _after_earlier_tokens(p: recall.Probes, n: int, spec, background, seed: int = 0
+                          ) -> recall.Probes:
+    """format=mqar probes `p` each after `n` earlier tokens: the n tokens before a block
+    start of `background` (the validation stream's blocks, drawn per row; a fresh stream when
+    it holds too few), with the probe's key made noise there as recall.probes makes it in the
+    probe block (its query key, and with joint=1 its facts), so the only fact for the
+    query's key is the 1x row's, at the same distance."""
+    u, blocks = recall.MQAR_UNIT, -(-n // spec.block)
+    rng = np.random.default_rng([seed, 3])
+    if background is None or len(background) // spec.block < blocks + 1:
+        background = recall.mqar_stream(64 + blocks, spec, rng)[0]
+    n_blocks = len(background) // spec.block
+    q = p.answer_pos[:, 0] - 1  # the query's key token: its value is the answer
+    keys = p.tokens[np.arange(len(q)), q]
+    base = recall.MQAR_JKEY0 if spec.joint else recall.MQAR_KEY0
+    rows = []
+    for row, key in zip(p.tokens, keys):
+        s = int(rng.integers(blocks, n_blocks)) * spec.block
+        before = np.array(background[s - n:s], np.int32)
+        hit = before == key
+        if spec.joint:
+            hit |= (before - recall.MQAR_JOINT0) // spec.values == key - base
+        for i in np.flatnonzero(hit):
+            before[i:i + u] = rng.choice(recall.NOISE_ALPHABET, len(before[i:i + u]))
+        rows.append(np.concatenate([before, row]))
+    return recall.Probes(np.stack(rows), p.answer_pos + n, p.distance)

@@ -261,8 +261,211 @@ def _notes(rows: dict, left_out: list[str]) -> list[str]:
     if full:
         out.append(f"full B/tok, full rd 128K: the same at full size "
                    f"({full.get('cache_formats', 'its formats')})")
+    out += _length_notes(rows)
+    if first.get("recall_chance") and "reach" in first:
+        out.append("at chance: a row's mean within the 95% range of a guesser's recall over "
+                   "its probes (binomial; without a probe count, a seed interval holding "
+                   "chance). Every row and seed answers the same probes, so a guess (e.g. one "
+                   "value for every far fact) scores that value's share of them: seeds that "
+                   "guess alike score alike (a zero-width interval)")
     out += [f"not shown: {WHY_EMPTY[h]}" for h in left_out if h in WHY_EMPTY
             and not (h == "recall>reach" and "reach" in left_out)]
+    return out
+
+
+def _times(rows: dict) -> list[int]:
+    """The multiples of the training length the runs were evaluated at."""
+    return sorted({int(m) for rs in rows.values() for r in rs for m in r.get("beyond") or {}})
+
+
+def _length_notes(rows: dict) -> list[str]:
+    """A line per multiple M saying what was evaluated (measure's recorded lengths): recall
+    on rows of M x the probe length (multi-query recall: the 1x rows after earlier tokens,
+    or in results measured before, probes of their own; byte recall: new probes with the
+    facts M times farther back), held-out loss on windows
+    of M x each row's train.seq_len; and a line per row whose xM recall rows are not longer
+    than its own training rows (its xM recall is not past its training length)."""
+    out, flags = [], {}
+    for t in _times(rows):
+        runs = [(name, r, r["beyond"][str(t)]) for name, rs in rows.items() for r in rs
+                if str(t) in (r.get("beyond") or {})]
+        if any("recall_seq_len" not in b for _, _, b in runs):
+            continue  # saved before the lengths were recorded, no sweep to fill them in
+        n = runs[0][2]["recall_seq_len"]
+        r0 = runs[0][1]
+        earlier = n - r0.get("probe_len", n // t)
+        if all(b.get("same_probes_as_1x") for _, _, b in runs):
+            what = (f"the 1x probe rows after {earlier} earlier tokens (the same facts and "
+                    f"distances)")
+        elif set(runs[0][2]["recall"]) == set(r0.get("recall") or {}):
+            what = (f"probes after {earlier} earlier tokens with the facts at the 1x "
+                    f"distances, each length its own draw (measured before xM rows were the "
+                    f"1x rows)")
+        else:
+            what = f"new probes with the facts {t}x farther back"
+        lens = {name: b["loss_seq_len"] for name, _, b in runs}
+        loss = (f"{next(iter(lens.values()))} tokens" if len(set(lens.values())) == 1 else
+                ", ".join(f"{name} {v}" for name, v in lens.items()) + " tokens")
+        out.append(f"x{t}: recall on {n}-token rows: {what}; loss x{t}: held-out loss over "
+                   f"windows of {t} x each row's train.seq_len ({loss})")
+        for name, r, b in runs:
+            trained = r.get("train_seq_len")
+            if trained is not None and b["recall_seq_len"] <= trained:
+                flags.setdefault(name, {})[t] = (b["recall_seq_len"], trained)
+    for name, at in flags.items():
+        out.append(f"{name}: " + "; ".join(
+            f"x{t} recall rows ({n} tokens) are not past its training length ({trained})"
+            for t, (n, trained) in at.items()))
+    return out
+
+
+# How a row's recall beyond its reach reads against chance (`_versus_chance`), in the order
+# the reading lists them
+CHANCE_CLASSES = ("at chance", "within the seed spread of chance", "seeds spread across chance",
+                  "above chance", "below chance")
+
+
+def _guess_range(r: dict, t: int | None) -> tuple[float, float, int] | None:
+    """(lo, hi, n): the 95% range of a guesser's recall (binomial at the chance level) over
+    the run's probes beyond its reach at multiple `t` (None: 1x); None without the counts."""
+    from scipy import stats
+
+    chance, per, reach = r.get("recall_chance"), r.get("per_distance"), r.get("reach")
+    acc = r.get("recall") if t is None else (r.get("beyond") or {}).get(str(t), {}).get("recall")
+    if not chance or not per or not acc or reach is None:  # None: no distance beyond it
+        return None
+    n = per * sum(1 for d in acc if int(d) > reach)
+    if not n:
+        return None
+    lo, hi = stats.binom.interval(0.95, n, chance)
+    return float(lo) / n, float(hi) / n, n
+
+
+def _versus_chance(m: dict, guess, chance: float) -> str | None:
+    """A row's recall beyond its reach (a seedstats summary) against chance: at chance when
+    its mean is within a guesser's range (`guess`), above/below when both that range and the
+    seed interval exclude chance, else its seeds spread across it; without a guesser's
+    range, the seed interval alone (None with one seed)."""
+    mean, lo, hi = m["mean"], m["lo"], m["hi"]
+    has_interval = not math.isnan(lo)
+    if guess is None:
+        if not has_interval:
+            return None
+        return ("within the seed spread of chance" if lo <= chance <= hi else
+                "above chance" if lo > chance else "below chance")
+    if guess[0] <= mean <= guess[1]:
+        return "at chance"
+    if mean > guess[1] and (not has_interval or lo > chance):
+        return "above chance"
+    if mean < guess[0] and (not has_interval or hi < chance):
+        return "below chance"
+    return "seeds spread across chance"
+
+
+def _listed(groups: dict, order, n_rows: int, first_note: str = "") -> str:
+    """'label (note): a, b; label: c' in `order`, 'every row' for a group of all rows."""
+    parts = []
+    for label in order:
+        names = groups.get(label)
+        if names:
+            note = first_note if not parts else ""
+            parts.append(f"{label}{note}: " + ("every row" if len(names) == n_rows
+                                                else ", ".join(names)))
+    return "; ".join(parts)
+
+
+def reading(rows: dict, summaries: dict) -> list[str]:
+    """What the rows show, in sentences computed from the results: at each length, which
+    rows are at chance beyond their reach and which above it (`_versus_chance`), and at a
+    longer length which score there what they score at 1x on every seed; then each row
+    against each control on recall beyond the pair's shorter reach, or without a control,
+    on loss against the row of lowest mean loss (Welch's 95% interval over seeds)."""
+    out = []
+    first = next(iter(rows.values()))[0]
+    chance = first.get("recall_chance")
+    known = all("reach" in rs[0] for rs in rows.values())
+    if chance and known:
+        for t in (None, *_times(rows)):
+            key = "recall_beyond" if t is None else f"recall_x{t}_beyond"
+            groups, ranges = {}, set()
+            for name, rs in rows.items():
+                m = summaries[name].get(key)
+                if not m or not m["n"]:
+                    continue
+                guess = _guess_range(rs[0], t)
+                ranges.add(guess)
+                label = _versus_chance(m, guess, chance)
+                if label is not None:
+                    groups.setdefault(label, []).append(name)
+            if not groups:
+                continue
+            if t is None:
+                (guess,) = ranges if len(ranges) == 1 else (None,)
+                note = (f" ({chance:.4g}; a guesser's 95% range over {guess[2]} probes "
+                        f"{guess[0]:.3f}-{guess[1]:.3f})" if guess else
+                        f" ({chance:.4g}; a guesser's 95% range over each row's probes)"
+                        if any(ranges) else f" ({chance:.4g})")
+                out.append(f"Beyond each row's reach: "
+                           f"{_listed(groups, CHANCE_CLASSES, len(rows), note)}.")
+            else:
+                same = [name for name, rs in rows.items() if _same_as_1x(rs, t)]
+                out.append(f"At x{t}, beyond the reach: "
+                           f"{_listed(groups, CHANCE_CLASSES, len(rows))}"
+                           + (f"; the same as at 1x on every seed: {', '.join(same)}"
+                              if same else "") + ".")
+    out += _against_controls(rows, summaries)
+    return out
+
+
+def _same_as_1x(rs: list[dict], t: int) -> bool:
+    """Every seed's recall beyond its reach at multiple t equals its 1x value."""
+    pairs = [(_split(r, "recall").get("beyond"),
+              _split(r, "", ((r.get("beyond") or {}).get(str(t)) or {}).get("recall")).get(
+                  "beyond")) for r in rs]
+    return bool(pairs) and all(a is not None and b is not None and abs(a - b) < 1e-9
+                               for a, b in pairs)
+
+
+VERDICTS = ("within the seed spread", "above it", "below it", "one seed: spread unknown")
+
+
+def _verdict(d: dict) -> str:
+    if d["exceeds"] is None:
+        return VERDICTS[3]
+    return VERDICTS[0] if not d["exceeds"] else VERDICTS[1] if d["diff"] > 0 else VERDICTS[2]
+
+
+def _against_controls(rows: dict, summaries: dict) -> list[str]:
+    """A sentence per control row: every other row's recall beyond the pair's shorter
+    reach against it; without controls, every row's loss against the lowest mean loss."""
+    controls = [name for name, rs in rows.items() if rs[0].get("control")]
+    others = [name for name in rows if name not in controls]
+    out = []
+    known = all("reach" in rs[0] for rs in rows.values())
+    for c in controls if known else ():
+        groups = {}
+        for name in others:
+            at = reach_lib.shorter(rows[c][0]["reach"], rows[name][0]["reach"])
+            va = [_split(r, "recall", at=at).get("beyond") for r in rows[name]]
+            vb = [_split(r, "recall", at=at).get("beyond") for r in rows[c]]
+            if None in va or None in vb:
+                continue
+            groups.setdefault(_verdict(seedstats.difference(va, vb, (-1.0, 1.0))),
+                              []).append(name)
+        if groups:
+            out.append(f"Against the control {c}, recall beyond the pair's shorter reach "
+                       f"(Welch's 95% interval over seeds): "
+                       f"{_listed(groups, VERDICTS, len(others))}.")
+    if not controls and len(rows) > 1:
+        best = min(rows, key=lambda n: summaries[n]["val_loss"]["mean"])
+        groups = {}
+        for name in rows:
+            if name != best:
+                d = seedstats.difference([r["val_loss"] for r in rows[name]],
+                                         [r["val_loss"] for r in rows[best]])
+                groups.setdefault(_verdict(d), []).append(name)
+        out.append(f"Loss against the lowest mean loss ({best}; Welch's 95% interval over "
+                   f"seeds): {_listed(groups, VERDICTS, len(rows) - 1)}.")
     return out
 
 
@@ -331,15 +534,18 @@ def _compare_mean(a: list[dict], b: list[dict]) -> str:
 def table(results: list[dict]) -> str:
     """The printed report: per row its seeds, loss, reach and recall within and beyond it
     (mean [95% interval] over seeds), the same past the training length, KV bytes
-    (own config: deployed formats and BF16; full size), params, tokens/s, decode ms; a line
-    per unit and per column left out; then rows compared (`comparisons`)."""
+    (own config: deployed formats and BF16; full size), params, tokens/s, decode ms; under
+    it what the rows show in a few sentences (`reading`); a line per unit, per length
+    evaluated and per column left out; then rows compared (`comparisons`)."""
     rows, summaries = by_row(results), row_summaries(results)
     lines = []
     if rows:
         cols = _columns(rows, summaries)
         left_out = [h for h, cells in cols if all(c is None for c in cells)]
         cols = [(h, cells) for h, cells in cols if h not in left_out]
-        lines = _format(cols) + [""] + _notes(rows, left_out) + comparisons(rows, summaries)
+        said = reading(rows, summaries)
+        lines = (_format(cols) + [""] + said + ([""] if said else []) + _notes(rows, left_out)
+                 + comparisons(rows, summaries))
     for r in results:
         if "error" in r:
             lines.append(f"{r['row']} seed {r['seed']}: FAILED: {r['error']}")

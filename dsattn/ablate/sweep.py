@@ -35,7 +35,8 @@ class Sweep:
     probe_len: int
     decode_context: int
     out: Path
-    lengths: tuple[int, ...] = (2, 4)  # evaluated at these multiples of train.seq_len too
+    # evaluated at these multiples too: loss at M x train.seq_len, recall at M x probe_len
+    lengths: tuple[int, ...] = (2, 4)
     vmap_seeds: bool = True  # a row's seeds train as one vmapped model (train.SeedGroup)
     through_cache: bool = False  # also score recall through the decode cache (its formats)
     # --scale-schedule: the sweep file's train.steps the rows' schedules (Row.schedule) were
