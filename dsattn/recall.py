@@ -244,6 +244,16 @@ def mqar_block(spec: RecallSpec, rng) -> tuple:
     return out, answer, facts, queries
 
 
+def without_key(tokens: np.ndarray, key: int, spec: RecallSpec, rng) -> None:
+    """Make every unit of format=mqar `tokens` that holds key `key` (its key token, or with
+    joint=1 a fact of that key) noise, in place: a probe's fact is then the key's only one."""
+    hit = tokens == _key_token(key, spec)
+    if spec.joint:
+        hit |= (tokens - MQAR_JOINT0) // spec.values == key
+    for i in np.flatnonzero(hit):
+        tokens[i:i + MQAR_UNIT] = rng.choice(NOISE_ALPHABET, len(tokens[i:i + MQAR_UNIT]))
+
+
 def _key_token(k, spec):
     return (MQAR_JKEY0 if spec.joint else MQAR_KEY0) + k
 
@@ -394,12 +404,7 @@ def _mqar_probes(distances, n_per_distance, seq_len, spec, background, seed,
             row = np.array(background[s - prefix:s + seq_len], np.int32)
             key = int(rng.integers(0, spec.keys))
             val = int(rng.integers(0, spec.values))
-            # the probe's key occurs nowhere else: its other pair (if any) becomes noise
-            hit = row == _key_token(key, spec)
-            if spec.joint:
-                hit |= (row - MQAR_JOINT0) // spec.values == key
-            for i in np.flatnonzero(hit):
-                row[i:i + u] = rng.choice(NOISE_ALPHABET, len(row[i:i + u]))
+            without_key(row, key, spec, rng)  # the probe's key occurs nowhere else
             _write_fact(row, np.array([q - d]), np.array([key]), np.array([val]), spec)
             row[q], row[q + 1] = _key_token(key, spec), _value_token(val, spec)
             rows.append(row)

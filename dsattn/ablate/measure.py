@@ -218,7 +218,7 @@ def _after_earlier_tokens(p: recall.Probes, n: int, spec, background, seed: int 
     it holds too few), with the probe's key made noise there as recall.probes makes it in the
     probe block (its query key, and with joint=1 its facts), so the only fact for the
     query's key is the 1x row's, at the same distance."""
-    u, blocks = recall.MQAR_UNIT, -(-n // spec.block)
+    blocks = -(-n // spec.block)
     rng = np.random.default_rng([seed, 3])
     if background is None or len(background) // spec.block < blocks + 1:
         background = recall.mqar_stream(64 + blocks, spec, rng)[0]
@@ -230,10 +230,6 @@ def _after_earlier_tokens(p: recall.Probes, n: int, spec, background, seed: int 
     for row, key in zip(p.tokens, keys):
         s = int(rng.integers(blocks, n_blocks)) * spec.block
         before = np.array(background[s - n:s], np.int32)
-        hit = before == key
-        if spec.joint:
-            hit |= (before - recall.MQAR_JOINT0) // spec.values == key - base
-        for i in np.flatnonzero(hit):
-            before[i:i + u] = rng.choice(recall.NOISE_ALPHABET, len(before[i:i + u]))
+        recall.without_key(before, int(key) - base, spec, rng)
         rows.append(np.concatenate([before, row]))
     return recall.Probes(np.stack(rows), p.answer_pos + n, p.distance)
