@@ -109,3 +109,20 @@ def test_a_refused_batch_never_fits_the_search():
         return aot.search_weight(row, usable)
 
     assert 823 - 823 // 32 <= aot.max_batch(peak, usable) < 824
+
+
+def test_the_table_shows_a_mesh_row_at_its_rows_per_chip():
+    """On a mesh the programs take a row per chip at least (8 x 8192 training tokens on 8
+    GPUs, 8 decode rows): the table's cells show those rows, not only batch-1 ones."""
+    def row(program, batch, length, peak, chips):
+        return {"mesh": "1x1x8" if chips > 1 else "1 chip", "chips": chips, "preset": "v4",
+                "impl": "xla", "program": program, "batch": batch, "length": length,
+                "compiled": True, "fits": True, "peak_bytes": peak * 2**30,
+                "kernels": {"per_layer": 50.0}}
+
+    text = aot.table([row("train", 8, 8192, 3.5, 8), row("decode", 8, 32768, 0.25, 8),
+                      row("train", 4, 8192, 14.0, 1), row("decode", 1, 32768, 0.27, 1)])
+    one, mesh = [line for line in text.splitlines() if "| v4 |" in line]
+    assert one.split(" | ")[3:7] == ["14.00", "", "", "0.27"]
+    assert mesh.split(" | ")[3:7] == ["3.50", "", "", "0.25"]
+    assert mesh.split(" | ")[-2] == "50.0"

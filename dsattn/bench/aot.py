@@ -587,7 +587,8 @@ def table(rows: list[dict]) -> str:
     """A markdown table of a target's rows, one line per (mesh, preset, implementation):
     each program's peak memory (GiB; * where it does not fit the chip, x where it did not
     compile), kernels a layer of the batch-1 decode step at 32K, the largest decode batch
-    at 32K and 128K."""
+    at 32K and 128K. On a mesh each program is the one `specs` builds there, at a row per
+    chip at least."""
     programs = (("train", 4, 8192), ("train_long", 1, 32768), ("prefill", 1, 32768),
                 ("decode", 1, 32768), ("decode", 1, 131072), ("serve_step", SERVE_ROWS,
                                                                   SERVE_CONTEXT))
@@ -599,10 +600,14 @@ def table(rows: list[dict]) -> str:
                   key=lambda k: (k[0] != "1 chip", k[0], k[1], k[2]))
     for mesh, preset, impl in keys:
         mine = [r for r in rows if (r["mesh"], r["preset"], r["impl"]) == (mesh, preset, impl)]
+        chips = 1 if mesh == "1 chip" else max(r.get("chips", 1) for r in mine)
+
+        def find(program, batch, length):
+            return next((r for r in mine if (r["program"], r["batch"], r["length"]) ==
+                         (program, max(batch, chips), length)), None)
 
         def cell(program, batch, length):
-            r = next((r for r in mine if (r["program"], r["batch"], r["length"]) ==
-                      (program, batch, length)), None)
+            r = find(program, batch, length)
             if r is None:
                 return ""
             if r.get("same_as"):
@@ -611,8 +616,8 @@ def table(rows: list[dict]) -> str:
                 return "x (memory)" if r.get("fits") is False else "x"
             return f"{r['peak_bytes'] / 2**30:.2f}{'' if r['fits'] else '*'}"
 
-        dec = next((r for r in mine if (r["program"], r["batch"], r["length"]) ==
-                    ("decode", 1, 32768) and r.get("compiled")), None)
+        dec = find("decode", 1, 32768)
+        dec = dec if dec and dec.get("compiled") else None
         most = [str(next((r.get("largest_fitting_batch") for r in mine
                           if r["program"] == "decode_max" and r["length"] == n), "") or "")
                 for n in CONTEXTS]
