@@ -443,6 +443,8 @@ def test_scale_schedule_fits_each_rows_schedule_to_a_shorter_run(tmp_path):
         "--scale-schedule: train.warmup_steps 30 -> 12 (row a; train.steps 1000 -> 400)",
         "--scale-schedule: train.warmup_steps 50 -> 20 (row b; train.steps 1000 -> 400)",
         "--scale-schedule: train.eval_every 250 -> 100 (rows a, b; train.steps 1000 -> 400)",
+        # the checkpoint cadence too, as scripts/train.py --scale-schedule fits it
+        "--scale-schedule: train.ckpt_every 2 -> 1 (rows a, b; train.steps 1000 -> 400)",
         "--scale-schedule: recall_warmup.steps 200 -> 80 (rows a, b; train.steps 1000 -> 400)"]
     assert ablate.scaling(ablate.select(scaled, ["a", "b"]))[2] == (
         "--scale-schedule: train.eval_every 250 -> 100 (every row; train.steps 1000 -> 400)")
@@ -451,7 +453,7 @@ def test_scale_schedule_fits_each_rows_schedule_to_a_shorter_run(tmp_path):
                        scale_schedule=True)
     assert _schedule(told, "a") == (400, 7, 100, 40, 8)
     assert [line.split(" (")[0] for line in ablate.scaling(told)] == [
-        "--scale-schedule: train.eval_every 250 -> 100"]
+        "--scale-schedule: train.eval_every 250 -> 100", "--scale-schedule: train.ckpt_every 2 -> 1"]
     longer = ablate.load(path, ["train.steps=2000"], scale_schedule=True)  # only shrinks
     assert _schedule(longer, "a") == (2000, 30, 250, 200, 8) and ablate.scaling(longer) == []
 
