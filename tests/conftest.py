@@ -92,6 +92,8 @@ FULL = {
     "tests/test_train.py::test_every_family_lowers_the_training_loss[dsa]":
         "[mha], [v4], [v41] stay (their compressed layers train through the same top-k picks)",
     "tests/test_train.py::test_every_family_lowers_the_training_loss[mla]": "[mha] stays",
+    "tests/test_train.py::test_every_family_lowers_the_training_loss[v41]":
+        "[mha], [gqa], [v4] stay (V4.1's layers read through V4's reads and indexer)",
     "tests/test_train.py::test_seeds_trained_as_one_vmapped_model_equal_runs_trained_alone":
         "SeedGroup: test_a_nan_in_one_seed_stops_the_group_naming_that_seed stays",
     # V4.1 ablations' decode: test_properties' fast cases and [no-ced] stay
