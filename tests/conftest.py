@@ -176,7 +176,9 @@ FULL = {
     "tests/test_rundir.py::test_second_writer_refused_dead_writers_lock_taken_over_metrics_cut_"
     "to_checkpoint": "a run directory's lock (a second writer): the full tier's",
     "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[mha-weights-4]":
-        "[mha-weights-2] stays",
+        "the full tier's [mha-weights-2] and [v4-indexer-2]",
+    "tests/test_accum.py::test_accumulated_step_equals_the_whole_batch_step[mha-weights-2]":
+        "the full tier's (the fast tier keeps test_grad_accum_is_validated)",
     "tests/test_bench.py::test_synthetic_context_matches_real_prefill_structure": "a benchmark's",
     "tests/test_precision.py::test_decode_equals_forward_under_bf16_compute[dsa]":
         "[mha], [mla] stay",
