@@ -512,6 +512,7 @@ SCHEDULE_STEPS = (("train", "warmup_steps"), ("indexer", "dense_warmup_steps"),
 # How often a run records (Kind.RECORDING: a resume takes new values): scaled with the
 # schedule by --scale-schedule, so a short run checkpoints and logs as often for its length.
 CADENCE_STEPS = (("train", "ckpt_every"), ("train", "log_every"))
+SCALED_STEPS = SCHEDULE_STEPS + CADENCE_STEPS  # what --scale-schedule fits to a run
 
 
 def short_schedule(cfg: Config) -> list[tuple[str, int]]:
@@ -543,7 +544,7 @@ def scale_schedule_of(cfg: Config, preset_steps: int, overridden=frozenset()) ->
     if not 0 < steps < preset_steps:
         return cfg
     scaled = {}
-    for sec, key in SCHEDULE_STEPS + CADENCE_STEPS:
+    for sec, key in SCALED_STEPS:
         value = getattr(getattr(cfg, sec), key)
         if (sec, key) not in overridden and value:
             scaled[sec, key] = min(steps, max(1, round(value * steps / preset_steps)))
@@ -675,7 +676,7 @@ def load_scaled(path, overrides=()) -> tuple[Config, dict]:
     plain, cfg = from_dict(raw, overrides), from_dict(raw, overrides, scale_schedule=True)
     value = lambda c, sec, key: getattr(getattr(c, sec), key)  # noqa: E731
     scaled = {f"{sec}.{key}": [value(plain, sec, key), value(cfg, sec, key)]
-              for sec, key in SCHEDULE_STEPS + CADENCE_STEPS
+              for sec, key in SCALED_STEPS
               if value(plain, sec, key) != value(cfg, sec, key)}
     if not scaled:
         return cfg, {}

@@ -446,12 +446,9 @@ def _against_controls(rows: dict, summaries: dict) -> list[str]:
         groups = {}
         for name in others:
             at = reach_lib.shorter(rows[c][0]["reach"], rows[name][0]["reach"])
-            va = [_split(r, "recall", at=at).get("beyond") for r in rows[name]]
-            vb = [_split(r, "recall", at=at).get("beyond") for r in rows[c]]
-            if None in va or None in vb:
-                continue
-            groups.setdefault(_verdict(seedstats.difference(va, vb, (-1.0, 1.0))),
-                              []).append(name)
+            d = _difference(rows[name], rows[c], "beyond", at)
+            if d is not None:
+                groups.setdefault(_verdict(d), []).append(name)
         if groups:
             out.append(f"Against the control {c}, recall beyond the pair's shorter reach "
                        f"(Welch's 95% interval over seeds): "
@@ -461,26 +458,31 @@ def _against_controls(rows: dict, summaries: dict) -> list[str]:
         groups = {}
         for name in rows:
             if name != best:
-                d = seedstats.difference([r["val_loss"] for r in rows[name]],
-                                         [r["val_loss"] for r in rows[best]])
-                groups.setdefault(_verdict(d), []).append(name)
+                groups.setdefault(_verdict(_difference(rows[name], rows[best], "val_loss")),
+                                  []).append(name)
         out.append(f"Loss against the lowest mean loss ({best}; Welch's 95% interval over "
                    f"seeds): {_listed(groups, VERDICTS, len(rows) - 1)}.")
     return out
 
 
+def _difference(a: list[dict], b: list[dict], key: str, at: int | None = None) -> dict | None:
+    """One metric of two rows over their seeds (seedstats.difference): the loss, or recall
+    `key` ("within" / "beyond") split at distance `at`; None where a run lacks it."""
+    if key == "val_loss":
+        return seedstats.difference([r["val_loss"] for r in a], [r["val_loss"] for r in b])
+    va = [_split(r, "recall", at=at).get(key) for r in a]
+    vb = [_split(r, "recall", at=at).get(key) for r in b]
+    if None in va or None in vb:
+        return None
+    return seedstats.difference(va, vb, (-1.0, 1.0))
+
+
 def _compare(a: list[dict], b: list[dict], key: str, label: str, fmt: str,
              at: int | None = None) -> str | None:
     """One metric of two rows: difference of means [Welch 95% interval] and its verdict."""
-    if key == "val_loss":
-        va, vb = [r["val_loss"] for r in a], [r["val_loss"] for r in b]
-    else:
-        va = [_split(r, "recall", at=at).get(key) for r in a]
-        vb = [_split(r, "recall", at=at).get(key) for r in b]
-        if None in va or None in vb:
-            return None
-    d = seedstats.difference(va, vb, (-1.0, 1.0) if key != "val_loss" else
-                             (-math.inf, math.inf))
+    d = _difference(a, b, key, at)
+    if d is None:
+        return None
     verdict = {None: "one seed: spread unknown", True: "exceeds the seed spread",
                False: "within the seed spread"}[d["exceeds"]]
     shown = (format(d["diff"], fmt) if np.isnan(d["lo"]) else

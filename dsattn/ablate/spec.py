@@ -276,7 +276,7 @@ def _scaled(base: str, in_file, given, row: Row, keep_warmup: bool = False
         return row, 0
     told = config_lib.overridden_keys(given)
     scaled = config_lib.scale_schedule_of(cfg, planned, told)
-    out = [f"{sec}.{key}={_value(scaled, sec, key)}" for sec, key in _SCALED
+    out = [f"{sec}.{key}={_value(scaled, sec, key)}" for sec, key in config_lib.SCALED_STEPS
            if _value(scaled, sec, key) != _value(cfg, sec, key)]
     spec = recall_spec(cfg)
     if spec is not None and spec.warm_steps and not keep_warmup and (
@@ -286,9 +286,6 @@ def _scaled(base: str, in_file, given, row: Row, keep_warmup: bool = False
             out.append("data.source=" + re.sub(r"\bwarm_steps=\d+", f"warm_steps={warm}",
                                                cfg.data.source.text))
     return dataclasses.replace(row, schedule=tuple(out)), planned if out else 0
-
-
-_SCALED = config_lib.SCHEDULE_STEPS + config_lib.CADENCE_STEPS  # what --scale-schedule fits
 
 
 def _value(cfg, sec: str, key: str):
@@ -307,7 +304,7 @@ def scaling(sweep: Sweep) -> list[str]:
         plain = config_lib.load(sweep.base, [*sweep.overrides, *row.overrides])
         cfg = config_lib.load(sweep.base, [*sweep.overrides, *row.overrides, *row.schedule])
         steps = cfg.train.steps
-        for sec, key in _SCALED:
+        for sec, key in config_lib.SCALED_STEPS:
             if _value(plain, sec, key) != _value(cfg, sec, key):
                 changed.setdefault((f"{sec}.{key}", _value(plain, sec, key),
                                     _value(cfg, sec, key)), []).append(row.name)
@@ -315,7 +312,7 @@ def scaling(sweep: Sweep) -> list[str]:
         if before is not None and before.warm_steps != after.warm_steps:
             changed.setdefault(("recall_warmup.steps", before.warm_steps, after.warm_steps),
                                []).append(row.name)
-    order = [f"{sec}.{key}" for sec, key in _SCALED] + ["recall_warmup.steps"]
+    order = [f"{sec}.{key}" for sec, key in config_lib.SCALED_STEPS] + ["recall_warmup.steps"]
     lines = []
     for (key, before, after), names in sorted(changed.items(), key=lambda c: order.index(c[0][0])):
         rows = ("every row" if len(names) == len(sweep.rows) else
