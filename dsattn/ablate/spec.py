@@ -262,8 +262,8 @@ def _scaled(base: str, in_file, given, row: Row, keep_warmup: bool = False
     """`row` with its schedule scaled as scripts/train.py --scale-schedule scales a run's, by
     the command line's train.steps over the sweep file's (`in_file`: its shared overrides;
     the row's own count too): config.SCHEDULE_STEPS (warm-up, the indexer's dense warm-up,
-    validation interval), config.CADENCE_STEPS (checkpoint and log cadence) and the recall source's curriculum (recall_warmup.steps), each at
-    least 1, the keys the command line sets (`given`, `keep_warmup`) left alone. The scaled
+    validation interval), config.CADENCE_STEPS (checkpoint and log cadence) and the recall
+    source's curriculum (recall_warmup.steps), each at least 1, the keys the command line sets (`given`, `keep_warmup`) left alone. The scaled
     values are the row's `schedule` overrides, applied after its own. Returns (the row, the
     sweep file's train.steps it was scaled from; 0: not scaled)."""
     try:
