@@ -119,6 +119,9 @@ class AttentionConfig:
     n_heads: int = _key(4, Kind.MODEL)
     head_dim: int = _key(32, Kind.MODEL)  # per-head dim of mha/gqa/mqa
     n_kv_heads: int = _key(0, Kind.MODEL)  # mha/gqa/mqa; 0 means n_heads
+    # mha/gqa/mqa: RoPE on the last this many dims of each head, the rest position-free
+    # (partial RoPE, as GPT-NeoX's rotary_pct and MHA2MLA's first step); 0: all of head_dim
+    mha_rope_dim: int = _key(0, Kind.MODEL)
     rope_theta: float = _key(10000.0, Kind.MODEL)
     # RoPE scaling (none | yarn), on the roles DeepSeek scales: every MLA/DSA/MHA layer's
     # rope (and the MLA softmax scale by mscale(factor, mscale_all_dim)^2), and V4's
@@ -137,6 +140,10 @@ class AttentionConfig:
     # 0: queries straight from x (MHA/MLA); V4 family needs > 0
     q_lora_rank: int = _key(0, Kind.MODEL)
     kv_lora_rank: int = _key(64, Kind.MODEL)
+    # RMSNorm on MLA's latent C^KV (V2/V3 have it). false: the latent is W^DKV x itself, so
+    # keys and values stay linear in x: an MHA converted by factorising its key and value
+    # projections (dsattn.convert) is then exact; the norm makes them scale-free in x.
+    latent_norm: bool = _key(True, Kind.MODEL)
     qk_nope_dim: int = _key(32, Kind.MODEL)
     qk_rope_dim: int = _key(16, Kind.MODEL)
     v_head_dim: int = _key(32, Kind.MODEL)
@@ -230,6 +237,13 @@ class TrainConfig:
     # Micro-batches per optimizer step (batch_size / grad_accum rows each), their gradients
     # summed in a scan: batch_size stays the step's batch, so only memory changes.
     grad_accum: int = _key(1, Kind.EXECUTION)
+    # Parameter-path patterns (fnmatch, `*` crosses `/`) whose parameters and optimizer state
+    # stay fixed: the optimizer is masked (optax.multi_transform), so a frozen parameter
+    # gets no update, no weight decay and no moments. Later patterns win; `!pattern`
+    # trains what an earlier one froze, e.g. ["*", "!*/selector/*"]. Paths are the model's
+    # (`dsattn.trainstep.parameter_paths`). The optimizer state's shape depends on it, so
+    # a run resumes only under the same value: a new stage is a new run (--init-from).
+    freeze: tuple[str, ...] = _key((), Kind.MODEL)
 
 
 @dataclass(frozen=True)
@@ -771,6 +785,9 @@ def _check_attention(cfg: Config) -> None:
             )
         if a.head_dim % 2:
             raise ConfigError(f"attention.head_dim: must be even for RoPE, got {a.head_dim}")
+        if not 0 <= a.mha_rope_dim <= a.head_dim or a.mha_rope_dim % 2:
+            raise ConfigError(f"attention.mha_rope_dim: must be even and in [0, head_dim="
+                              f"{a.head_dim}] (0: all of it), got {a.mha_rope_dim}")
     if fams & {Family.MLA, Family.DSA}:
         for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
             _positive(getattr(a, key), f"attention.{key}")

@@ -32,7 +32,10 @@ def upgrade_saved(raw: dict) -> dict:
     every key, so one without `attention.entry_dim` predates it: the V4 family's entry width
     was then `attention.head_dim`; one without `model.param_dtype` stored its parameters
     (and optimizer moments) in `model.dtype`; one without `attention.rope_scaling` trained
-    with the plain rope; one without `indexer.hadamard` never rotated its indexer keys."""
+    with the plain rope; one without `indexer.hadamard` never rotated its indexer keys; one without
+    `attention.latent_norm` normalised MLA's latent, one without `attention.mha_rope_dim`
+    rotated all of each MHA head; one without `train.freeze` froze
+    nothing."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     att = raw.get("attention")
     if isinstance(att, dict) and "entry_dim" not in att and "head_dim" in att:
@@ -47,6 +50,13 @@ def upgrade_saved(raw: dict) -> dict:
     ix = raw.get("indexer")
     if isinstance(ix, dict) and "hadamard" not in ix:
         ix["hadamard"] = False  # trained before the rotation existed: unrotated keys
+    if isinstance(att, dict) and "latent_norm" not in att:
+        att["latent_norm"] = True  # MLA's latent was always normalised before the key
+    if isinstance(att, dict) and "mha_rope_dim" not in att:
+        att["mha_rope_dim"] = 0  # MHA rotated all of each head before the key
+    train = raw.get("train")
+    if isinstance(train, dict) and "freeze" not in train:
+        train["freeze"] = []  # nothing was frozen before the key
     for (section, old), new in RENAMED.items():
         sec = raw.get(section)
         if isinstance(sec, dict) and old in sec:

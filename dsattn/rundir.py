@@ -26,6 +26,7 @@ from dsattn.trainstep import make_schedule
 
 
 SCHEDULE_FILE = "schedule.json"  # config.load_scaled's record of a scaled schedule
+INIT_FILE = "init_from.json"  # the run another run's weights started (--init-from)
 
 
 def load_config(path, overrides=(), run_dir=None, *, scale_schedule: bool = False
@@ -179,6 +180,19 @@ class RunDir:
         if self.schedule:
             runlog.atomic_write(self.path / SCHEDULE_FILE, json.dumps(self.schedule) + "\n")
         keep_tokenizer(self.path, self.cfg.data.source.tokenizer)
+
+    def recorded_init(self) -> str | None:
+        """RUN_DIR:STEP of the run this one started from (--init-from), None if none."""
+        path = self.path / INIT_FILE
+        return json.loads(path.read_text())["source"] if path.exists() else None
+
+    def record_init(self, source: str, table: str):
+        """Keep what this run started from, so a rerun before its first checkpoint starts
+        from the same weights (the source's step pinned) and a reader sees how."""
+        if self.primary:
+            self.path.mkdir(parents=True, exist_ok=True)
+            runlog.atomic_write(self.path / INIT_FILE,
+                                json.dumps({"source": source, "table": table}) + "\n")
 
     # -- while a loop runs ----------------------------------------------------------------
     def check_not_overtaken(self):

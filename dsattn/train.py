@@ -196,7 +196,9 @@ class Loop:
                     raise rd.non_finite(loss, self.step + 1, named=self.trainstep.vmapped)
             self.step += 1
             tok_s = steps_timed * tokens_per_step / max(step_s, 1e-9)  # each run's own rate
-            records = [{"step": self.step, **{k: float(v[i]) for k, v in metrics.items()},
+            # a NaN metric measured nothing this step (indexer_recall past the dense warm-up)
+            records = [{"step": self.step, **{k: float(v[i]) for k, v in metrics.items()
+                                              if not math.isnan(v[i])},
                         "tokens_per_s": tok_s, **rate.record(tok_s), "time": time.time()}
                        for i in range(len(runs))]
             if self.step % t.eval_every == 0 or self.step == target:

@@ -70,7 +70,16 @@ def loss_fn(model: Transformer, batch: dict, step=None, *, loss_block: int | Non
     metrics = {"ce": ce}
     total = ce
     for name in sorted({k for aux in auxes for k in aux}):
-        value = sum(aux[name] for aux in auxes if name in aux)
+        values = [aux[name] for aux in auxes if name in aux]
+        if isinstance(values[0], tuple):  # (Σ, count) per layer (indexer_recall): the mean
+            # of the layers' means over those that counted any; NaN when none did
+            counted = [c > 0 for _, c in values]
+            n = sum(counted)
+            value = jnp.where(n > 0, sum(jnp.where(k, s / jnp.maximum(c, 1), 0)
+                                         for (s, c), k in zip(values, counted))
+                              / jnp.maximum(n, 1), jnp.nan)
+        else:
+            value = sum(values)
         metrics[name] = value
         if name.endswith("_loss"):
             total = total + value

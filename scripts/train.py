@@ -2,7 +2,7 @@
 """Train a preset on its data (default: the embedded stdlib corpus).
 
     python scripts/train.py CONFIG [KEY=VALUE ...] [--run-dir DIR] [--quiet] [--strict]
-        [--scale-schedule] [--estimate]
+        [--scale-schedule] [--estimate] [--init-from RUN_DIR[:STEP]]
 
 It prints the run's parameters, vocabulary (a token directory's: its tokenizer's, unless
 model.vocab_size is set), tokens per step and schedule at its start, and the validation loss
@@ -43,6 +43,14 @@ def main(argv=None):
                          "train.steps) and prints what else a short run may want (lr, top-k, "
                          "window); the run directory records the scaling (schedule.json), and "
                          "a rerun with more steps keeps the values the run trained with")
+    ap.add_argument("--init-from", metavar="RUN_DIR[:STEP]", default=None,
+                    help="start a new run from another run's weights (its latest checkpoint, "
+                         "or STEP's), under this config's design: parameters whose path and "
+                         "shape match are copied, conversion rules derive the rest where "
+                         "the attention changes (MHA->MLA, MLA->DSA, dense->V4; "
+                         "docs/conversion.md), indexers, compressors and sinks start fresh; "
+                         "prints a table of what was copied, derived and new. A run that has "
+                         "checkpoints resumes from them instead")
     ap.add_argument("--estimate", action="store_true",
                     help="compile the run's step, time a few steps and a validation, print "
                          "s/step, tokens/s, the compile time and the run's expected time, and "
@@ -66,7 +74,12 @@ def main(argv=None):
         return None
     trainer = train.Trainer(cfg, run_dir, quiet=args.quiet, strict=args.strict,
                             progress_every=args.progress_every, explicit_vocab=explicit_vocab,
-                            schedule=scaled)
+                            schedule=scaled, init_from=args.init_from)
+    if trainer.conversion is not None:
+        print(trainer.conversion.table(), flush=True)
+    elif args.init_from:
+        print(f"{run_dir} resumes from its own checkpoint (step {trainer.step}); "
+              f"--init-from applies to a run's start only", flush=True)
     print(trainer.summary(), flush=True)
     out = trainer.run()
     print(f"step {out['step']}: validation loss "

@@ -52,8 +52,8 @@ class SinkAttentionOutput(nnx.Module):
 
     def __call__(self, q, positions, valid, window, read, theta, target=None):
         """q [B, T, H, c] at positions [B, T]; window: a `local.Window`; read: what the
-        selector returned (None: window only). Returns (output [B, T, D], the indexer's KL
-        loss or None)."""
+        selector returned (None: window only). Returns (output [B, T, D], with a target the
+        indexer's (KL loss, recall terms), else None)."""
         def epilogue(o, pos):
             return self.out(apply_rope_last(o.astype(q.dtype), pos, theta, self.rope_dim,
                                             inverse=True))
@@ -62,5 +62,5 @@ class SinkAttentionOutput(nnx.Module):
         return attend.attend(
             attend.Read(q, positions, valid, parts, self.sink[...], target,
                         attend.Layout.SHARED, q.shape[-1] ** -0.5, self.query_block, q.dtype,
-                        entry_block=self.entry_block),
+                        entry_block=self.entry_block, recall=target is not None),
             self.impl, epilogue=epilogue)

@@ -57,9 +57,10 @@ class DSA(MLA):
         read, target, ctx = self.selector(store, cq, x, positions, self.theta, step, ctx,
                                           indexer.IN_TRAINING, self.dtype)
         # absorbed MLA over the picked tokens (the reference gathers a query block's only)
-        y, kl = self.absorbed((q_nope, q_pe), positions, jnp.ones(positions.shape, bool),
-                              (read,), target)
-        return y, {"indexer_loss": self.selector.loss(kl)}, ctx
+        y, (kl, recall) = self.absorbed((q_nope, q_pe), positions,
+                                        jnp.ones(positions.shape, bool), (read,), target)
+        # recall: (Σ, queries measured) in the dense warm-up, (0, 0) after (trainstep.loss_fn)
+        return y, {"indexer_loss": self.selector.loss(kl), "indexer_recall": recall}, ctx
 
     def init_cache(self, batch: int, max_len: int):
         return DSACache(paged.empty(self.fields, batch, max_len, self.page_size, self.dtype))

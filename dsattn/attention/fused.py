@@ -14,13 +14,13 @@ selected-entries kernel and its entry-mass pass into a registry entry.
 
 Each part of the read is one kernel call over the whole sequence (a kernel blocks it
 itself); the parts are merged by their log-sum-exp with the sink added once, the
-epilogue runs over the whole output, and the indexer's KL target comes from `entry_mass`
-at the merged log-sum-exp. Nothing here materialises per-block scores. A decode step over
-shared entries (the V4 family's window and global part, MLA's absorbed latents, DSA's
-picked tokens) goes to `decode` when given, so it reads only what it selects, as stored;
-otherwise a paged store is decoded whole (`read_all`) for the other kernels. MHA's decode
-step (GROUPED, one query per row) stays with the reference's dots over its head-major
-cache.
+epilogue runs over the whole output, and the indexer's KL target (and, where a selection is
+read densely, its recall: `Read.recall`) comes from `entry_mass` at the merged log-sum-exp.
+Nothing here materialises per-block scores. A decode step over shared entries (the V4
+family's window and global part, MLA's absorbed latents, DSA's picked tokens) goes to
+`decode` when given, so it reads only what it selects, as stored; otherwise a paged store
+is decoded whole (`read_all`) for the other kernels. MHA's decode step (GROUPED, one query
+per row) stays with the reference's dots over its head-major cache.
 """
 
 from __future__ import annotations
@@ -128,12 +128,14 @@ def adapter(dense, sparse, entry_mass, decode=None):
         y = epilogue(out, read.positions)
         if read.target is None:
             return y, None
-        total, count = sums
-        return y, total / jnp.maximum(count, 1)
+        (total, count), recall = sums if read.recall else (sums, None)
+        kl = total / jnp.maximum(count, 1)
+        return y, kl if recall is None else (kl, recall)
 
     def kernels(read: Read, q):
         """(the read's output [B, T, H, dv] before the epilogue, and with a KL target its
-        (total, count) of KL terms; else ()), every part by a kernel."""
+        (total, count) of KL terms, with `read.recall` paired with the recall terms; else
+        ()), every part by a kernel."""
         heads, pos = q.shape[2], read.positions
         parts = None if decode is None else _decode_parts(read, q)
         if parts is not None:
@@ -168,18 +170,25 @@ def adapter(dense, sparse, entry_mass, decode=None):
             # of queries at a time ([B, block, N]), never for the whole [B, T, N]
             lse = _merge([part, *local], read.sink)[1]
             keys = glob.store.read_all("key", read.dtype)[0]
+            # the dense warm-up's selection, whose recall of the mass the read measures
+            picks = ((glob.selection.idx, glob.selection.ok)
+                     if isinstance(glob, reads.Picked) else None)
 
             def one(start, blk):
-                q_blk, lse_blk, pos_blk, iq, w, ok_rows = blk
+                q_blk, lse_blk, pos_blk, iq, w, ok_rows, picks_blk = blk
                 seen = stored[:, None, :] & reads.visible(pos_blk, glob.stride, n)
                 ids = jnp.where(seen, jnp.arange(n, dtype=jnp.int32), -1)
                 mass = entry_mass(q_blk, entries, ids, lse_blk, scale=read.scale)
-                return (), indexer.kl_terms(indexer.scores(iq, w, keys), mass,
-                                            seen & ok_rows[..., None])
+                seen = seen & ok_rows[..., None]
+                kl = indexer.kl_terms(indexer.scores(iq, w, keys), mass, seen)
+                if not read.recall:
+                    return (), kl
+                return (), (kl, indexer.no_recall(mass) if picks_blk is None
+                            else indexer.recall_terms(mass, seen, *picks_blk))
 
             valid = jnp.ones(pos.shape, bool) if read.valid is None else read.valid
             return part, blocks.map_queries(one, read.query_block, (
-                q, lse, pos, read.target.q, read.target.w, valid))[1]
+                q, lse, pos, read.target.q, read.target.w, valid, picks))[1]
 
         def picked():
             entries = glob.store.read_all("entry", read.dtype)[0]
@@ -217,7 +226,8 @@ def _kl_terms(read: Read, store, ids, mass):
         iq, w, idx, m, ok_rows = blk
         keys, got = store.gather("key", idx, read.dtype)
         mask = (idx >= 0) & got & ok_rows[..., None]
-        return (), indexer.kl_terms(indexer.gathered_scores(iq, w, keys), m, mask)
+        kl = indexer.kl_terms(indexer.gathered_scores(iq, w, keys), m, mask)
+        return (), (kl, indexer.no_recall(m)) if read.recall else kl  # read only the picks
 
     return blocks.map_queries(one, read.query_block,
                               (read.target.q, read.target.w, ids, mass, valid))[1]

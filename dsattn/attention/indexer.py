@@ -181,6 +181,35 @@ def kl_loss(score, target_probs, mask):
     return total / jnp.maximum(count, 1)
 
 
+def recall_terms(target_probs, mask, idx, ok):
+    """(Σ recall, number of queries with any target mass) of the picks (idx, ok) [B, T, k]:
+    how much of the attention's mass the indexer's top-k would keep, measured where the
+    attention read every entry (the dense warm-up). Sums, so query blocks combine.
+
+    A query's recall is the target mass on its valid picks over the most that any k' of its
+    masked entries hold (the mass's own top-k', k' its number of valid picks): 1 when the
+    indexer picks the attention's top-k', ties included. target_probs [B, T, S] as in
+    `kl_terms` (a ratio: no need to renormalise). Both sides add the same values in the
+    same (descending) order, so picking the top-k' gives exactly 1.
+    """
+    sd = softmax_dtype(target_probs.dtype)
+    p = jax.lax.stop_gradient(jnp.where(mask, target_probs, 0).astype(sd))
+    k = min(idx.shape[-1], p.shape[-1])  # a causal segment may hold fewer entries than k
+    picked = jnp.take_along_axis(p, jnp.clip(idx, 0, p.shape[-1] - 1), axis=-1)
+    hit = jnp.sum(jax.lax.top_k(jnp.where(ok, picked, 0), k)[0], -1)
+    n = jnp.sum(ok, -1, keepdims=True)
+    best = jnp.sum(jnp.where(jnp.arange(k) < n, jax.lax.top_k(p, k)[0], 0), -1)
+    has = jnp.sum(p, -1) > 0
+    recall = hit / jnp.where(best > 0, best, 1)  # no valid pick: 0
+    return jnp.sum(jnp.where(has, recall, 0)), jnp.sum(has).astype(sd)
+
+
+def no_recall(target_probs):
+    """`recall_terms`' (0, 0): a read that measures no recall (it read only the picks)."""
+    zero = jnp.zeros((), softmax_dtype(target_probs.dtype))
+    return zero, zero
+
+
 # -- hierarchical indexer (V4.1 decoder): a candidate pool of blocks ------------------------
 def block_scores(score, visible, block: int):
     """Max visible score in each block of `block` consecutive entries: [B, T, ceil(N/block)]."""

@@ -43,7 +43,8 @@ class V4Attention(nnx.Module):
         self.selector = nnx.data(selectors.make(cfg, spec, a.q_lora_rank, rngs))
 
     def __call__(self, x, positions, step=None, ctx=StackContext()):
-        """Training forward over x [B, T, D]: (output, aux losses, next context)."""
+        """Training forward over x [B, T, D]: (output, aux losses and metrics, next
+        context)."""
         q, qr = self.query(x, positions, self.theta)
         kv = formats.as_stored(self.local_fmt, self.local(x, positions, self.theta),
                                self.rope_dim, self.fake_quant)
@@ -53,10 +54,13 @@ class V4Attention(nnx.Module):
             store, ctx = self.source(x, ctx, n)
             read, target, ctx = self.selector(store, qr, x, positions, self.theta, step, ctx,
                                               indexer.IN_TRAINING, self.dtype)
-        y, kl = self.core(q, positions, jnp.ones(positions.shape, bool),
-                          Window.of_sequence(kv, positions, self.window), read, self.theta,
-                          target)
-        return y, ({} if kl is None else {"indexer_loss": self.selector.loss(kl)}), ctx
+        y, terms = self.core(q, positions, jnp.ones(positions.shape, bool),
+                             Window.of_sequence(kv, positions, self.window), read, self.theta,
+                             target)
+        if terms is None:
+            return y, {}, ctx
+        kl, recall = terms  # recall: (Σ, queries measured), (0, 0) past the dense warm-up
+        return y, {"indexer_loss": self.selector.loss(kl), "indexer_recall": recall}, ctx
 
     def init_cache(self, batch: int, max_len: int) -> V4Cache:
         """The ring always; streaming state and pages only for layers that own entries."""

@@ -12,7 +12,7 @@ from dsattn.cache.layer_caches import MHACache
 from dsattn.kernels import registry
 from dsattn.nn.layers import dense
 from dsattn.nn.precision import Precision
-from dsattn.nn.rope import apply_rope, scaled, softmax_mscale
+from dsattn.nn.rope import apply_rope_last, scaled, softmax_mscale
 
 
 class MHA(nnx.Module):
@@ -22,6 +22,7 @@ class MHA(nnx.Module):
         self.dtype = prec.dtype
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.n_kv = a.n_kv_heads or a.n_heads
+        self.rope_dim = a.mha_rope_dim or a.head_dim  # the last rope_dim dims rotate
         self.theta = scaled(cfg, a.rope_theta)
         self.scale = self.head_dim ** -0.5 * softmax_mscale(cfg)
         self.query_block = a.query_block
@@ -39,7 +40,8 @@ class MHA(nnx.Module):
         q = self.wq(x).reshape(b, t, self.n_heads, self.head_dim)
         k = self.wk(x).reshape(b, t, self.n_kv, self.head_dim)
         v = self.wv(x).reshape(b, t, self.n_kv, self.head_dim)
-        return apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta), v
+        rope = lambda t: apply_rope_last(t, positions, self.theta, self.rope_dim)  # noqa: E731
+        return rope(q), rope(k), v
 
     def _read(self, q, positions, parts):
         """q [B, T, H, d] over key sets `parts` (attend.Keys of head-major K/V [B, G, S, d])

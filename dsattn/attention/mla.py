@@ -99,9 +99,10 @@ class MLA(nnx.Module):
     def absorbed(self, q, positions, valid, parts, target=None):
         """The absorbed path's read of ``parts`` (attend.Read: latents [B, S, dc+dr] as K
         and V for every head, V their first dc channels) for q = (q_nope, q_pe):
-        (output [B, T, D], the indexer's KL loss or None)."""
+        (output [B, T, D], with a target its (KL loss, recall terms), else None)."""
         read = attend.Read(q, positions, valid, parts, None, target, attend.Layout.SHARED,
-                           self.scale, self.query_block, self.dtype, value_dim=self.dc)
+                           self.scale, self.query_block, self.dtype, value_dim=self.dc,
+                           recall=target is not None)
         return attend.attend(read, self.impl, self._absorb, self._absorbed_output)
 
     # -- entry points ------------------------------------------------------------------

@@ -8,7 +8,9 @@ window's slice, the block's picks gathered, or every complete item), the layout 
 scores, one softmax spans the parts (with the sink in its denominator), and the layout
 mixes the values. Where no probabilities are wanted a long shared part is read a block of
 entries at a time by an online softmax (`_online`). With the indexer's KL target the block
-also computes its KL terms from the attention mass on each global item (`indexer.kl_terms`).
+also computes its KL terms from the attention mass on each global item (`indexer.kl_terms`),
+and where it reads a selection densely (the dense warm-up) optionally the selection's recall
+of that mass (`indexer.recall_terms`).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ def _online(q, items, sink, scale, value_dim, block: int):
 # -- the blocked pass ---------------------------------------------------------------------------
 def run(read: Read, prologue, epilogue):
     """(epilogue's output [B, T, ...], the indexer's KL loss or None) of ``read`` by query
-    blocks (module docstring)."""
+    blocks (module docstring); with ``read.recall`` (KL loss, recall terms) for the loss."""
     lay = LAYOUTS[read.layout]
     glob, target = read.global_read, read.target
     if glob is None:
@@ -262,7 +264,7 @@ def run(read: Read, prologue, epilogue):
         mask = causal_mask(pos, kpos)
         return arrays, mask if seen is None else mask & seen[:, None]
 
-    def one(start, blk, glob_items, end):
+    def one(start, blk, glob_items, end, picks=None):
         (q_blk, pos, ok_rows), _, tq_blk = blk
         items = [local(p, start, pos, end) for p in read.parts if not isinstance(p, GLOBAL)]
         if glob_items is not None:
@@ -281,7 +283,13 @@ def run(read: Read, prologue, epilogue):
         keys, mask = glob_items[2], glob_items[1]
         score = (indexer.scores(iq, w, keys) if keys.ndim == 3
                  else indexer.gathered_scores(iq, w, keys))
-        return y, indexer.kl_terms(score, mass, mask & ok_rows[..., None])
+        mask = mask & ok_rows[..., None]
+        kl = indexer.kl_terms(score, mass, mask)
+        if not read.recall:
+            return y, kl
+        # a dense read's selection (`picks`) against the mass's own top-k; none in the other
+        return y, (kl, indexer.no_recall(mass) if picks is None
+                   else indexer.recall_terms(mass, mask, *picks))
 
     def body(start, blk, end):
         (_, pos, _), picks_blk, _ = blk
@@ -294,7 +302,8 @@ def run(read: Read, prologue, epilogue):
         if glob.selection.dense is None:
             return picked()
         return jax.lax.cond(glob.selection.dense,
-                            lambda: one(start, blk, items_all(pos, limit), end), picked)
+                            lambda: one(start, blk, items_all(pos, limit), end, picks_blk),
+                            picked)
 
     per_block = ((read.q, read.positions, read.valid), picks, tq)
     # the training forward's own keys or items (query t at position t) read causal segments
@@ -307,6 +316,7 @@ def run(read: Read, prologue, epilogue):
                                        read.query_block, per_block)
     if target is None:
         return out, None
-    total, count = sums
-    return out, total / jnp.maximum(count, 1)
+    (total, count), recall = sums if read.recall else (sums, None)
+    kl = total / jnp.maximum(count, 1)
+    return out, kl if recall is None else (kl, recall)
 
