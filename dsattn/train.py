@@ -254,7 +254,7 @@ class Trainer(Loop):
 
     def __init__(self, cfg: Config, run_dir, *, quiet: bool = False, strict: bool = False,
                  progress_every: int | None = None, explicit_vocab: bool = False,
-                 schedule: dict | None = None):
+                 schedule: dict | None = None, init_from: str | None = None):
         # a token directory's vocab, before any model, unless the user set model.vocab_size
         cfg = data.with_source_vocab(cfg, explicit_vocab)
         mesh = sharding.make_mesh(cfg)
@@ -268,8 +268,12 @@ class Trainer(Loop):
             step, restored = self.rundir.restore(strict=strict, params=params,
                                                  opt_state=opt_state)
             changed = {}
+            self.conversion = None  # how --init-from made the starting weights
             if step is None:  # a fresh run: said once, not again at every resume
                 warn_short_schedule(cfg)
+                source = init_from or self.rundir.recorded_init()
+                if source:
+                    params, opt_state = self._init_from(cfg, step_fn, params, source)
             else:
                 params, opt_state = step_fn.place(restored["params"], restored["opt_state"])
                 changed = self.rundir.resume_changes(step, strict)
@@ -281,6 +285,26 @@ class Trainer(Loop):
             t.eval_batches, t.batch_size, t.seq_len, seed=t.seed)]
         super().__init__(cfg, step_fn, [self.rundir], params, opt_state, step or 0, val,
                          quiet=quiet, progress_every=progress_every)
+
+    def _init_from(self, cfg: Config, step_fn, fresh, source: str):
+        """The starting state converted from the run `source` (RUN_DIR[:STEP],
+        dsattn.convert): its rules fit on the first training batch's activations, and the
+        KL to the source is measured on the validation batches. Recorded in the run
+        directory with the source's step pinned."""
+        from dsattn import convert
+
+        t = cfg.train
+        run, step = convert.parse_source(source)
+        held_out = self.corpus.eval_batches(t.eval_batches, t.batch_size, t.seq_len,
+                                            seed=t.seed)
+        conv = convert.convert(cfg, fresh, run, step,
+                               calibration=self.corpus.batch(0, t.batch_size, t.seq_len,
+                                                             t.seed)["inputs"],
+                               held_out=held_out, graphdef=step_fn.graphdef)
+        self.conversion = conv
+        self.rundir.record_init(f"{run}:{conv.step}", conv.table())
+        opt_state = step_fn.init_opt_state(conv.params)
+        return step_fn.place(conv.params, opt_state)
 
     @property
     def run_dir(self):
@@ -454,6 +478,6 @@ def estimate_line(cfg: Config, e: dict) -> str:
 
 def train(cfg: Config, run_dir, *, steps: int | None = None, quiet: bool = False,
           strict: bool = False, progress_every: int | None = None,
-          explicit_vocab: bool = False) -> dict:
+          explicit_vocab: bool = False, init_from: str | None = None) -> dict:
     return Trainer(cfg, run_dir, quiet=quiet, strict=strict, progress_every=progress_every,
-                   explicit_vocab=explicit_vocab).run(steps)
+                   explicit_vocab=explicit_vocab, init_from=init_from).run(steps)

@@ -10,6 +10,7 @@ dsattn.train and dsattn.rundir.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 from dsattn import sharding
 from dsattn.attention import blocks
 from dsattn.config import Config
+from dsattn.errors import ConfigError
 from dsattn.evaluate import outputs, token_nll, weighted_mean
 from dsattn.model import Transformer
 
@@ -31,12 +33,55 @@ def make_schedule(cfg: Config) -> optax.Schedule:
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Clipping and AdamW; with train.freeze, over the trained parameters only (the frozen
+    ones get optax.set_to_zero: no update, no decay, no moments, and the clip's norm is the
+    trained parameters')."""
     t = cfg.train
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms
-    return optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(make_schedule(cfg), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                     mask=decay_mask))
+    if not t.freeze:
+        return tx
+    labels = lambda params: jax.tree.map(  # noqa: E731
+        lambda f: FROZEN if f else TRAINED, frozen(t.freeze, params))
+    return optax.multi_transform({TRAINED: tx, FROZEN: optax.set_to_zero()}, labels)
+
+
+TRAINED, FROZEN = "trained", "frozen"  # optax.multi_transform's labels
+
+
+def parameter_paths(params) -> list[str]:
+    """Each parameter's path as train.freeze's patterns match it ("blocks/0/layers/0/attn/
+    wq/kernel"), in jax.tree order."""
+    return [_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def _path(keypath) -> str:
+    names = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keypath)
+    return "/".join(str(n) for n in names)
+
+
+def frozen(patterns, params):
+    """A tree of bools like `params`: True where the last of `patterns` matching the
+    parameter's path freezes it (a `!pattern` trains it again). Raises ConfigError for a
+    pattern that matches no parameter (a typo would freeze nothing, silently) and for
+    patterns that leave nothing to train."""
+    paths = parameter_paths(params)
+    is_frozen = [False] * len(paths)
+    for pattern in patterns:
+        trains = pattern.startswith("!")
+        hits = fnmatch.filter(paths, pattern[1:] if trains else pattern)
+        if not hits:
+            raise ConfigError(f"train.freeze: {pattern!r} matches no parameter; paths look "
+                              f"like {paths[0]!r} (dsattn.trainstep.parameter_paths)")
+        hit = set(hits)
+        is_frozen = [(not trains) if p in hit else f for p, f in zip(paths, is_frozen)]
+    if all(is_frozen):
+        raise ConfigError(f"train.freeze: {list(patterns)} freezes every parameter: nothing "
+                          f"would train")
+    return jax.tree.unflatten(jax.tree.structure(params), is_frozen)
 
 
 # Positions per block of the training loss's unembedding and cross-entropy: at most
@@ -186,9 +231,16 @@ class TrainStep:
         if self.mesh is not None:  # gradients split like their parameters (FSDP: reduce-scatter)
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.global_norm(self._trained(grads))
         metrics["lr"] = self.schedule(step)
         return optax.apply_updates(params, updates), opt_state, metrics
+
+    def _trained(self, tree):
+        """`tree` (like the parameters) without its frozen leaves (train.freeze)."""
+        if not self.cfg.train.freeze:
+            return tree
+        keep = jax.tree.leaves(frozen(self.cfg.train.freeze, tree))
+        return [x for x, f in zip(jax.tree.leaves(tree), keep) if not f]
 
     def loss_and_grads(self, params, batch, step):
         """(metrics, gradients) of loss_fn on the whole batch. With train.grad_accum = N > 1

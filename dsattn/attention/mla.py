@@ -46,7 +46,7 @@ class MLA(nnx.Module):
             self.wq_a = self.q_norm = None
             self.wq_b = dense(d, qd, rngs, dt, std)
         self.wkv_a = dense(d, self.dc + self.dr, rngs, dt, std)
-        self.kv_norm = RMSNorm(self.dc, m.norm_eps, dtype=dt)
+        self.kv_norm = RMSNorm(self.dc, m.norm_eps, dtype=dt) if a.latent_norm else None
         self.wkv_b = dense(self.dc, self.h * (self.dn + self.dv), rngs, dt, std)
         self.wo = dense(self.h * self.dv, d, rngs, dt, std)
 
@@ -63,7 +63,7 @@ class MLA(nnx.Module):
     def latents(self, x, positions):
         """[C^KV | K^R] per token: [B, T, dc + dr]."""
         kv = self.wkv_a(x)
-        ckv = self.kv_norm(kv[..., : self.dc])
+        ckv = kv[..., : self.dc] if self.kv_norm is None else self.kv_norm(kv[..., : self.dc])
         kr = apply_rope(kv[..., self.dc:], positions, self.theta)
         return jnp.concatenate([ckv, kr], axis=-1)
 
