@@ -174,6 +174,13 @@ def _refuse(layer: Layer, why: str):
     raise ConfigError(f"--init-from: layer {layer.index}: {why}")
 
 
+def _require(layer: Layer, rule: str, why: str, wants: dict):
+    """Refuse the layer unless every {key: (this config's value, the value needed)} agrees."""
+    for key, (have, need) in wants.items():
+        if have != need:
+            _refuse(layer, f"{rule} needs {key} = {need} ({why}), got {have}")
+
+
 def _factor(w: np.ndarray, x: np.ndarray | None, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """(A [d, rank], B [rank, n]) with x A B as close as a rank-`rank` product gets to x w
     (an SVD of the activations x w; of w itself without x): B's rows are the top right
@@ -213,9 +220,7 @@ def mha_to_mla(layer: Layer) -> Derived:
              "attention.q_lora_rank": (a.q_lora_rank, 0),
              "attention.rope_theta": (a.rope_theta, sa.rope_theta),
              "attention.rope_scaling": (a.rope_scaling, sa.rope_scaling)}
-    for key, (have, need) in wants.items():
-        if have != need:
-            _refuse(layer, f"mha -> mla needs {key} = {need} (the source's head), got {have}")
+    _require(layer, "mha -> mla", "the source's head", wants)
     if r_src % dr:
         _refuse(layer, f"mha -> mla keeps every s-th of the source's {r_src // 2} rotary "
                        f"pairs: attention.qk_rope_dim={dr} must divide {r_src}")
@@ -270,9 +275,7 @@ def mla_to_v4(layer: Layer) -> Derived:
     c, ro, groups, ql = a.entry_dim, a.o_lora_rank, a.o_groups, a.q_lora_rank
     wants = {"attention.n_heads": (a.n_heads, h), "attention.entry_dim": (c, dc + dr),
              "attention.rope_dim": (a.rope_dim, dr)}
-    for key, (have, need) in wants.items():
-        if have != need:
-            _refuse(layer, f"mla -> v4 needs {key} = {need} (the source's latent), got {have}")
+    _require(layer, "mla -> v4", "the source's latent", wants)
     src = {k: _np(v) for k, v in layer.src.items()}
     x = layer.x
     w_ukv = src["wkv_b/kernel"].reshape(dc, h, dn + dv)
@@ -315,18 +318,10 @@ def mla_to_v4(layer: Layer) -> Derived:
     per_head = np.concatenate([np.einsum("chv,hvd->hcd", w_uv, wo),
                                np.zeros((h, dr, wo.shape[-1]))], 1)  # [H, c, D]
     grouped = per_head.reshape(groups, (h // groups) * c, -1)
-    wo_a, wo_b, errs = [], [], []
-    for mat in grouped:
-        u, sv, vt = np.linalg.svd(mat, full_matrices=False)
-        k = min(ro, sv.shape[0])
-        a_g = np.zeros((mat.shape[0], ro))
-        b_g = np.zeros((ro, mat.shape[1]))
-        a_g[:, :k], b_g[:k] = u[:, :k] * sv[:k], vt[:k]
-        wo_a.append(a_g)
-        wo_b.append(b_g)
-        errs.append(np.linalg.norm(mat - a_g @ b_g) / max(np.linalg.norm(mat), 1e-30))
-    values["core/out/wo_a"] = np.stack(wo_a)
-    values["core/out/wo_b/kernel"] = np.concatenate(wo_b)
+    factors = [_factor(mat, None, ro) for mat in grouped]  # per group [H/g * c, ro] [ro, D]
+    errs = [_relative_error(None, mat, a_g @ b_g) for mat, (a_g, b_g) in zip(grouped, factors)]
+    values["core/out/wo_a"] = np.stack([a_g for a_g, _ in factors])
+    values["core/out/wo_b/kernel"] = np.concatenate([b_g for _, b_g in factors])
     changes = ["the window" if a.window else None,
                "the per-head query norm" if a.query_norm else None, "the sink"]
     notes.append(f"output W^UV W^O to o_lora_rank {ro} per group: relative error "

@@ -197,3 +197,23 @@ def test_the_conversion_targets_and_sources_decode_as_they_train(name, overrides
     # the two model options conversion relies on keep the core promise
     model = tiny_model(name, "model.n_layers=2", overrides)
     check_decode_matches_forward(model, lengths=[3, 11], n_decode=4, max_len=24)
+
+
+def test_a_sweep_row_starts_from_an_earlier_rows_run(tmp_path):
+    from dsattn import ablate
+    from dsattn.ablate import spec
+
+    raw = {"base": "configs/tiny/mha.yaml", "overrides": SMALL, "seeds": [0, 1],
+           "rows": [{"name": "src", "overrides": []},
+                    {"name": "conv", "init": "src", "overrides": ["attention.layers=mla"]}]}
+    sweep = spec.from_dict(raw, out=tmp_path)
+    src, conv = sweep.rows
+    assert ablate.init_source(sweep, conv, 1) == f"{spec.run_dir(sweep, src, 1)}:2"
+    assert ablate.init_source(sweep, src, 1) is None
+    # the converted run's fingerprint follows its source's config
+    longer = spec.from_dict({**raw, "rows": [{"name": "src", "overrides": ["train.steps=3"]},
+                                             raw["rows"][1]]}, out=tmp_path)
+    assert ablate.fingerprint(sweep, conv, 0) != ablate.fingerprint(longer, longer.rows[1], 0)
+    with pytest.raises(ConfigError, match="init: 'later' is not a row before it"):
+        spec.from_dict({**raw, "rows": [{"name": "a", "init": "later", "overrides": []},
+                                        {"name": "later", "overrides": []}]}, out=tmp_path)

@@ -75,7 +75,7 @@ def train_row(sweep: Sweep, row: Row, seeds, quiet=False,
     for seed in seeds:
         try:
             tr = Trainer(sweep.config(row, seed), run_dir(sweep, row, seed), quiet=quiet,
-                         progress_every=progress_every)
+                         progress_every=progress_every, init_from=init_source(sweep, row, seed))
         except DsattnError as e:
             out[seed] = e
             continue
@@ -226,10 +226,26 @@ def estimate_line(sweep: Sweep, e: dict) -> str:
 
 def fingerprint(sweep: Sweep, row: Row, seed: int) -> str:
     """What a finished run's numbers depend on: its config without its Kind.EXECUTION keys
-    (block sizes, remat, micro-batches, mesh: how the run computed, not what) and the sweep's
-    measurements."""
-    return _hashed(sweep, config_lib.without(sweep.config(row, seed).to_dict(),
-                                             config_lib.Kind.EXECUTION))
+    (block sizes, remat, micro-batches, mesh: how the run computed, not what), the sweep's
+    measurements, and the fingerprint of the run it started from (Row.init)."""
+    config = config_lib.without(sweep.config(row, seed).to_dict(), config_lib.Kind.EXECUTION)
+    if row.init:
+        config["init"] = fingerprint(sweep, source_row(sweep, row), seed)
+    return _hashed(sweep, config)
+
+
+def source_row(sweep: Sweep, row: Row) -> Row:
+    """The row `row` starts from (Row.init)."""
+    return next(r for r in sweep.rows if r.name == row.init)
+
+
+def init_source(sweep: Sweep, row: Row, seed: int) -> str | None:
+    """RUN_DIR:STEP of the run a row's seed starts from (the source row's last step), or
+    None."""
+    if not row.init:
+        return None
+    src = source_row(sweep, row)
+    return f"{run_dir(sweep, src, seed)}:{sweep.config(src, seed).train.steps}"
 
 
 def _legacy_fingerprint(sweep: Sweep, row: Row, seed: int, trained: dict | None) -> str:

@@ -5,6 +5,7 @@ training tokens/s and decode step time. Application code: it may use dsattn.benc
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from dsattn.ablate.full_size import full_size_config
 from dsattn.ablate.reach import window_reach
 from dsattn.ablate.spec import Row, Sweep, recall_spec
 from dsattn.errors import DsattnError
+from dsattn.rundir import INIT_FILE
 
 
 CONTEXTS = {"8k": 8192, "128k": 131072}
@@ -95,10 +97,17 @@ def complete(sweep: Sweep, results: list[dict]) -> list[dict]:
     return out
 
 
-def _curve(run_dir: Path) -> list[list[float]]:
-    """Held-out loss along training, from metrics.jsonl (the last record per step wins)."""
+def _curve(run_dir: Path, start: int = 0) -> list[list[float]]:
+    """Held-out loss along training, from metrics.jsonl (the last record per step wins),
+    its steps counted from `start` (a run started from another's step `start`)."""
     points = {r["step"]: r["val_loss"] for r in runlog.records(run_dir) if "val_loss" in r}
-    return [[s, points[s]] for s in sorted(points)]
+    return [[start + s, points[s]] for s in sorted(points)]
+
+
+def _start_step(run_dir: Path) -> int:
+    """The source run's step a run started from (--init-from's record), else 0."""
+    path = Path(run_dir) / INIT_FILE
+    return int(json.loads(path.read_text())["source"].rsplit(":", 1)[1]) if path.exists() else 0
 
 
 def _tokens_per_s(run_dir: Path):
@@ -157,7 +166,10 @@ def measure(sweep: Sweep, row: Row, run: Trained, probes) -> dict:
                                       warmup=1)["step_ms"]
     return {
         "row": row.name, "seed": cfg.train.seed, "overrides": list(row.overrides),
-        "steps": trainer.step, "val_loss": run.val_loss, "curve": _curve(trainer.run_dir),
+        # a row started from another (Row.init) counts its steps after the source's
+        "start_step": _start_step(trainer.run_dir), "steps": trainer.step,
+        "val_loss": run.val_loss,
+        "curve": _curve(trainer.run_dir, _start_step(trainer.run_dir)),
         "params": int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))),
         "train_tokens_per_s": _tokens_per_s(trainer.run_dir),
         "seeds_together": run.together,  # trained as one vmapped model with this many seeds

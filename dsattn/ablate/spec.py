@@ -25,7 +25,7 @@ SWEEP_KEYS = ("name", "base", "full_size", "overrides", "rows", "grid", "seeds",
               "recall_warmup",
               "decode_context", "lengths", "vmap_seeds", "out")
 RECALL_KEYS = ("distances", "per_distance", "seq_len", "through_cache")
-ROW_KEYS = ("name", "overrides", "control")
+ROW_KEYS = ("name", "overrides", "control", "init")
 WARMUP_KEYS = {"steps": "warm_steps", "dist": "warm_dist"}  # recall_warmup -> data.source
 # What KEY=VALUE on the command line may set besides config keys: the sweep keys but its
 # rows and overrides (--rows picks rows; section.key=value adds an override), and one key of
@@ -173,8 +173,12 @@ def from_dict(raw: dict, overrides=(), out=None, default_name="sweep",
             raise ConfigError(f"{where}: no name; a row is {{name: ..., overrides: [...]}}")
         if not isinstance(r.get("control", False), bool):
             raise ConfigError(f"{where}: control: expected true or false, got {r['control']!r}")
+        init = r.get("init")
+        if init is not None and init not in [row.name for row in rows]:
+            raise ConfigError(f"{where}: init: {init!r} is not a row before it (a row starts "
+                              f"from an earlier row's runs)")
         rows.append(Row(str(r["name"]), _override_list(r.get("overrides"), f"row {r['name']!r}"),
-                        r.get("control", False)))
+                        r.get("control", False), init=init))
     if "grid" in raw:
         rows += _grid_rows(raw["grid"])
     if not rows:
@@ -373,7 +377,7 @@ def from_resolved(raw: dict) -> Sweep:
     fields = {f.name for f in dataclasses.fields(Sweep)}
     raw = {k: v for k, v in raw.items() if k in fields}
     rows = tuple(Row(r["name"], tuple(r["overrides"]), r.get("control", False),
-                     tuple(r.get("schedule") or ()))
+                     tuple(r.get("schedule") or ()), r.get("init"))
                  for r in raw.pop("rows"))
     out = Path(raw.pop("out"))
     return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()},

@@ -20,6 +20,9 @@ class Row:
     # --scale-schedule: the row's schedule scaled to the run's train.steps (spec._scaled),
     # applied after its own overrides
     schedule: tuple[str, ...] = ()
+    # An earlier row: each seed's run starts from that row's run of the same seed
+    # (scripts/train.py --init-from; dsattn.convert), its steps counted after the source's
+    init: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
