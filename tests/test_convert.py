@@ -217,3 +217,28 @@ def test_a_sweep_row_starts_from_an_earlier_rows_run(tmp_path):
     with pytest.raises(ConfigError, match="init: 'later' is not a row before it"):
         spec.from_dict({**raw, "rows": [{"name": "a", "init": "later", "overrides": []},
                                         {"name": "later", "overrides": []}]}, out=tmp_path)
+
+
+def test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run(tmp_path):
+    short = ["model.dtype=float64", "model.param_dtype=float64", "train.seq_len=32",
+             "train.batch_size=2", "train.steps=3", "train.warmup_steps=1",
+             "train.eval_every=3", "train.log_every=1", "train.eval_batches=1"]
+    mla = train.Trainer(config.load("configs/tiny/mla.yaml", short), tmp_path / "mla",
+                        quiet=True)
+    mla.run()
+    warm_cfg = config.load("configs/recipes/v3_2_warmup.yaml",
+                           short + ["indexer.dense_warmup_steps=3"])
+    warm = train.Trainer(warm_cfg, tmp_path / "warm", quiet=True, init_from=str(tmp_path / "mla"))
+    warm.run()
+    # only the indexer trained, and every read was dense: the model is still the MLA run's
+    # (top-k 32 of 32 tokens reads them all)
+    np.testing.assert_allclose(logits(warm.model()), logits(mla.model()), atol=1e-9, rtol=0)
+    records = [json.loads(line) for line in (tmp_path / "warm" / "metrics.jsonl").open()]
+    assert all(0 < r["indexer_recall"] <= 1 for r in records if "loss" in r)
+    sparse_cfg = config.load("configs/recipes/v3_2_sparse.yaml", short + ["attention.top_k=8"])
+    sparse = train.Trainer(sparse_cfg, tmp_path / "sparse", quiet=True,
+                           init_from=str(tmp_path / "warm"))
+    assert sparse.conversion.counts()[convert.How.COPIED] == len(sparse.conversion.rows)
+    sparse.run()
+    records = [json.loads(line) for line in (tmp_path / "sparse" / "metrics.jsonl").open()]
+    assert not any("indexer_recall" in r for r in records)  # sparse from its first step
