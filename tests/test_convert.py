@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsattn import config, convert, train, trainstep
+from dsattn import ablate, config, convert, train, trainstep  # noqa: F401  (ablate.measure)
 from dsattn.errors import ConfigError
 from tests.helpers import check_decode_matches_forward, tiny_model
 
@@ -242,3 +242,20 @@ def test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run(tmp_path):
     sparse.run()
     records = [json.loads(line) for line in (tmp_path / "sparse" / "metrics.jsonl").open()]
     assert not any("indexer_recall" in r for r in records)  # sparse from its first step
+
+
+def test_a_chained_runs_curve_counts_every_earlier_stage(tmp_path):
+    # source (600 steps) -> warm-up (100) -> this run: its curve starts after step 700
+    import sys
+
+    from dsattn.rundir import INIT_FILE
+    measure = sys.modules["dsattn.ablate.measure"]
+    for name, source in (("warm", f"{tmp_path / 'src'}:600"),
+                         ("conv", f"{tmp_path / 'warm'}:100")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / INIT_FILE).write_text(json.dumps({"source": source, "table": ""}))
+    (tmp_path / "conv" / "metrics.jsonl").write_text(json.dumps({"step": 100, "val_loss": 1.0})
+                                                     + "\n")
+    assert measure._start_step(tmp_path / "src") == 0
+    assert measure._start_step(tmp_path / "conv") == 700
+    assert measure._curve(tmp_path / "conv", 700) == [[800, 1.0]]

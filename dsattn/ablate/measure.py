@@ -105,9 +105,13 @@ def _curve(run_dir: Path, start: int = 0) -> list[list[float]]:
 
 
 def _start_step(run_dir: Path) -> int:
-    """The source run's step a run started from (--init-from's record), else 0."""
+    """The steps trained before this run's first: the step of the run it started from
+    (--init-from's record) plus that run's own start, along the chain; 0 for a fresh run."""
     path = Path(run_dir) / INIT_FILE
-    return int(json.loads(path.read_text())["source"].rsplit(":", 1)[1]) if path.exists() else 0
+    if not path.exists():
+        return 0
+    source, step = json.loads(path.read_text())["source"].rsplit(":", 1)
+    return int(step) + _start_step(Path(source))
 
 
 def _tokens_per_s(run_dir: Path):
