@@ -239,7 +239,8 @@ def test_rows_taken_out_and_put_back_replace_only_those_rows():
 
 def test_row_axes_find_the_rows_and_leave_the_pools_shared():
     """In a V4 decode state every leaf whose size follows the row count has a row axis; the
-    page pools, their free stacks and overflow flags (one per pool) have none."""
+    page pools, their free stacks, reference counts and overflow flags (one per pool) have
+    none."""
     eng = generate.Engine(tiny_model("v4", "model.n_layers=2", "attention.layers=swa, csa"))
     state = with_pool(eng.cfg, eng.init_cache(3, MAX_LEN), 40)
     axes = programs.row_axes(lambda b: with_pool(eng.cfg, eng.init_cache(b, MAX_LEN), 1))
@@ -247,7 +248,8 @@ def test_row_axes_find_the_rows_and_leave_the_pools_shared():
     assert len(axes) == len(leaves)
     paged = [c for c in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, PagedCache))
              if isinstance(c, PagedCache)]
-    pool = {id(x) for c in paged for x in jax.tree.leaves((c.pages, c.free, c.n_free, c.overflow))}
+    pool = {id(x) for c in paged
+            for x in jax.tree.leaves((c.pages, c.free, c.n_free, c.refs, c.overflow))}
     assert pool
     for x, a in zip(leaves, axes):
         if id(x) in pool:

@@ -64,7 +64,7 @@ def with_pool(cfg, state: DecodeState, pool_tokens: int) -> DecodeState:
     def shrink(spec, c: PagedCache) -> PagedCache:
         n = min(c.n_pages, max(1, math.ceil(pool_tokens / spec.stride / c.page_size)))
         c = c.replace(pages=jax.tree.map(lambda a: a[:n], c.pages),
-                      free=jnp.zeros((n,), jnp.int32))
+                      free=jnp.zeros((n,), jnp.int32), refs=jnp.zeros((n,), jnp.int32))
         return paged.regroup(c, 1)
 
     caches = [jax.tree.map(lambda c, s=spec: shrink(s, c) if isinstance(c, PagedCache) else c,
