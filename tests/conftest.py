@@ -257,6 +257,13 @@ FULL = {
         "README.md#1 (the library's API) stays; the sharded engine: tests/sharding_checks.py",
     "tests/test_precision.py::test_trainer_under_bf16_compute_steps_float32_weights":
         "test_bf16_compute_keeps_float32_parameters_and_adamw_moments stays",
+    "tests/test_indexer_recall.py::test_accumulated_recall_is_the_whole_batch_recall":
+        "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
+    "tests/test_indexer_recall.py::test_recall_does_not_depend_on_query_blocks":
+        "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
+    "tests/test_indexer_recall.py::test_metrics_jsonl_has_recall_in_the_dense_warmup_only":
+        "tests/test_convert.py::test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run "
+        "reads it from metrics.jsonl in both stages",
     "tests/test_accum.py::test_seed_group_accumulates":
         "SeedGroup: tests/test_train.py::test_a_nan_in_one_seed_stops_the_group_naming_that_"
         "seed stays",
