@@ -391,29 +391,39 @@ def attention_inputs(model, tokens) -> list[np.ndarray]:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(unrolled,
                                                                     rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, with_layers(unrolled, params, per_layer(cfg, params)))
-    flat_model = nnx.merge(graphdef, state)
     from dsattn.attention.context import StackContext
 
-    tokens = jnp.asarray(tokens)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x, ctx, out = flat_model.embedding(tokens), StackContext(), []
-    for i, block in enumerate(flat_model.blocks):
-        if i == cfg.attention.ced_split and i:
-            ctx = StackContext(encoder_out=x)
-        out.append(_np(block.attn_norm(x)).reshape(-1, x.shape[-1]))
-        x, _, ctx = block(x, positions, None, ctx)
-    return out
+    def inputs(flat_model, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                     tokens.shape)
+        x, ctx, out = flat_model.embedding(tokens), StackContext(), []
+        for i, block in enumerate(flat_model.blocks):
+            if i == cfg.attention.ced_split and i:
+                ctx = StackContext(encoder_out=x)
+            out.append(block.attn_norm(x).reshape(-1, x.shape[-1]))
+            x, _, ctx = block(x, positions, None, ctx)
+        return out
+
+    return [_np(x) for x in _jitted(inputs, nnx.merge(graphdef, state))(jnp.asarray(tokens))]
+
+
+def _jitted(fn, model):
+    """fn(model, *args) as one compiled program of args (run eagerly, a model's forward
+    compiles every operation on its own)."""
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    return lambda *args: step(state, *args)
 
 
 def mean_kl(source, target, batches) -> float:
     """KL(source || target) in nats per token, the mean over `batches`' inputs."""
-    total, n = 0.0, 0
-    for b in batches:
-        lp = jax.nn.log_softmax(source(jnp.asarray(b["inputs"])).astype(jnp.float32), -1)
-        lq = jax.nn.log_softmax(target(jnp.asarray(b["inputs"])).astype(jnp.float32), -1)
-        kl = jnp.sum(jnp.exp(lp) * (lp - lq), -1)
-        total, n = total + float(jnp.sum(kl)), n + kl.size
-    return total / max(n, 1)
+    def kl(pair, tokens):
+        lp, lq = (jax.nn.log_softmax(m(tokens).astype(jnp.float32), -1) for m in pair)
+        return jnp.sum(jnp.exp(lp) * (lp - lq), -1)
+
+    both = _jitted(kl, nnx.List([source, target]))
+    per_token = [np.asarray(both(jnp.asarray(b["inputs"]))) for b in batches]
+    return float(np.mean(np.concatenate([k.ravel() for k in per_token])))
 
 
 def convert(cfg: Config, fresh: dict, source, step: int | None = None, *,

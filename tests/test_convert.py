@@ -104,15 +104,15 @@ def test_dense_to_v4_starts_closer_to_the_source_than_a_fresh_v4(tmp_path):
     # against; its keys and values fit V4's entry, so what differs is V4's own design (the
     # per-head query norm, the sink, the CSA layer's compressed entries)
     src_overrides = ["model.init_std=0.2", "attention.mha_rope_dim=16"]
-    saved_run(tmp_path / "src", "configs/tiny/mha.yaml", src_overrides, representable)
+    _, src = saved_run(tmp_path / "src", "configs/tiny/mha.yaml", src_overrides,
+                       representable)
     v4 = ["attention.layers=[swa,csa]", "attention.entry_dim=48", "attention.rope_dim=16",
           "attention.window=32", "model.init_std=0.2"]
-    cfg, conv, model = converted(tmp_path / "new", "configs/tiny/v4.yaml", v4,
-                                 tmp_path / "src")
-    fresh = train.Trainer(cfg, tmp_path / "fresh", quiet=True)
-    src = train.Trainer(config.load("configs/tiny/mha.yaml", SMALL + src_overrides),
-                        tmp_path / "src", quiet=True)
-    kl_fresh = convert.mean_kl(src.model(), fresh.model(), src.val_batches)
+    cfg = config.load("configs/tiny/v4.yaml", SMALL + v4)
+    tr = train.Trainer(cfg, tmp_path / "new", quiet=True, init_from=str(tmp_path / "src"))
+    conv, step_fn = tr.conversion, tr.trainstep
+    fresh = step_fn.model(trainstep.init(cfg)[1])
+    kl_fresh = convert.mean_kl(src.model(), fresh, tr.val_batches)
     assert conv.kl < 0.3 * kl_fresh  # measured: 0.57 against 2.8
     rows = {(r.where, r.path): r.how for r in conv.rows}
     assert rows["layer 1", "attn/source/compressor/wkv/kernel"] is convert.How.NEW
@@ -220,9 +220,8 @@ def test_a_sweep_row_starts_from_an_earlier_rows_run(tmp_path):
 
 
 def test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run(tmp_path):
-    short = ["model.dtype=float64", "model.param_dtype=float64", "train.seq_len=32",
-             "train.batch_size=2", "train.steps=3", "train.warmup_steps=1",
-             "train.eval_every=3", "train.log_every=1", "train.eval_batches=1"]
+    # the recipe's configs at SMALL's size (the MLA source shrunk alike)
+    short = SMALL + ["train.steps=3", "train.eval_every=3", "train.log_every=1"]
     mla = train.Trainer(config.load("configs/tiny/mla.yaml", short), tmp_path / "mla",
                         quiet=True)
     mla.run()
