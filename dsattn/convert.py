@@ -11,8 +11,9 @@ sinks). Anything else that differs is refused in one line naming the parameter.
 The rules:
 - MHA/GQA -> MLA (`mha_to_mla`): MHA2MLA's partial RoPE with uniform frequency sampling
   (keep every s-th rotary pair of the source; those are exactly MLA's rotary frequencies),
-  the shared rotary key the mean of the heads' kept rotary keys, and the non-rotary keys and
-  the values factored jointly to `kv_lora_rank` by an SVD of their activations.
+  one shared rotary key fitted per frequency pair over the heads (the queries absorbing each
+  head's rotation and scale of it), and the non-rotary keys and the values factored
+  jointly to `kv_lora_rank` by an SVD of their activations.
 - MLA -> DSA: everything copied, the indexer fresh (equal to MLA while top-k covers all).
 - MHA -> DSA: both of the above.
 - MLA/DSA -> the V4 family (`mla_to_v4`): MLA's absorbed form is a V4 layer's window read:
@@ -207,7 +208,8 @@ def _norm_gain(e: np.ndarray, target: np.ndarray, eps: float) -> np.ndarray:
 
 def mha_to_mla(layer: Layer) -> Derived:
     """MHA/GQA -> MLA (module docstring). Exact when the source's rotary pairs all map
-    (mha_rope_dim == qk_rope_dim), its kept rotary keys are equal across heads and its
+    (mha_rope_dim == qk_rope_dim), its heads' kept rotary keys differ per frequency pair
+    by a rotation and a scale at most (`_shared_rotary_key`), its
     non-rotary keys and values have rank <= kv_lora_rank, and the new MLA has no latent
     norm (attention.latent_norm=false); otherwise as close as the SVD gets."""
     sa, a, m = layer.src_cfg.attention, layer.cfg.attention, layer.cfg.model
@@ -234,9 +236,9 @@ def mha_to_mla(layer: Layer) -> Derived:
     wq = wq.reshape(d, h, hd)
     per_head = lambda w: np.repeat(w.reshape(d, g, hd), h // g, axis=1)  # noqa: E731
     wk, wv = per_head(wk), per_head(wv)
-    wq_b = np.concatenate([wq[..., nope], wq[..., kept]], -1).reshape(d, h * (dn + dr))
     k_rope = wk[..., kept]  # [d, H, dr]
-    w_kr = k_rope.mean(1)
+    w_kr, q_rope, k_hat = _shared_rotary_key(k_rope, wq[..., kept], layer.x)
+    wq_b = np.concatenate([wq[..., nope], q_rope], -1).reshape(d, h * (dn + dr))
     joint = np.concatenate([wk[..., nope], wv], -1).reshape(d, h * (dn + dv))
     a_down, b_up = _factor(joint, layer.x, dc)
     values = {"wq_b/kernel": wq_b, "wkv_a/kernel": np.concatenate([a_down, w_kr], -1),
@@ -247,8 +249,7 @@ def mha_to_mla(layer: Layer) -> Derived:
                             approx[..., :dn].reshape(d, -1))
     err_v = _relative_error(x, joint.reshape(d, h, -1)[..., dn:].reshape(d, -1),
                             approx[..., dn:].reshape(d, -1))
-    err_r = _relative_error(x, k_rope.reshape(d, -1),
-                            np.repeat(w_kr[:, None], h, 1).reshape(d, -1))
+    err_r = _relative_error(x, k_rope.reshape(d, -1), k_hat.reshape(d, -1))
     if a.latent_norm:  # the norm's gain fitted to the latent's activations
         if x is None:
             _refuse(layer, "mha -> mla with attention.latent_norm=true fits the norm's gain "
@@ -262,6 +263,37 @@ def mha_to_mla(layer: Layer) -> Derived:
                 f"RoPE: one pair in {s} kept)" if dropped else "")
              + ("; the latent norm's gain fitted" if a.latent_norm else "")]
     return Derived(values, set(), notes)
+
+
+def _complex(w):
+    """Real [..., 2P] with RoPE's interleaved pairs -> complex [..., P] (a pair's rotation is
+    a multiplication by e^{i p theta})."""
+    return w[..., 0::2] + 1j * w[..., 1::2]
+
+
+def _real(z):
+    return np.stack([z.real, z.imag], -1).reshape(z.shape[:-1] + (-1,))
+
+
+def _shared_rotary_key(k_rope, q_rope, x):
+    """One rotary key for every head (MLA's K^R) from per-head ones k_rope [d, H, r], and
+    the queries q_rope [d, H, r] that keep the scores: per frequency pair, head h's key is
+    taken as c_h times a shared key s (the best rank-1 fit over the heads of their
+    activations, an SVD of complex [N, H]); since c_h commutes with the rotation, q_h
+    absorbs conj(c_h). Exact when the heads' keys differ per pair by a rotation and a
+    scale (equal keys included). Returns (w_kr [d, r], the new q_rope, the keys it
+    represents [d, H, r])."""
+    kc, qc = _complex(k_rope), _complex(q_rope)  # [d, H, P]
+    shared, q_new, k_hat = [], [], []
+    for p in range(kc.shape[-1]):
+        y = kc[..., p] if x is None else x @ kc[..., p]  # [N, H]
+        v = np.conj(np.linalg.svd(y, full_matrices=False)[2][0])  # top right vector [H]
+        w = kc[..., p] @ v  # [d]: s = x w
+        shared.append(w)
+        q_new.append(qc[..., p] * v)  # conj(c_h) q_h with c_h = conj(v_h)
+        k_hat.append(w[:, None] * np.conj(v)[None])
+    return (_real(np.stack(shared, -1)), _real(np.stack(q_new, -1)),
+            _real(np.stack(k_hat, -1)))
 
 
 def mla_to_v4(layer: Layer) -> Derived:
