@@ -1,7 +1,8 @@
 """The cache protocol (dsattn/cache/protocol.py) is all the code around caches needs: a new
 container, declared here and nowhere else, goes through scanned and unrolled stacks, cached
-prefill and decode, a mesh's cache layout, the benchmarks' synthetic context and the byte
-count without any change to the library.
+prefill and decode, a mesh's cache layout, the benchmarks' synthetic context, the byte
+count and the server (its row clearing and page accounting) without any change to the
+library.
 
 The container holds each row's newest value vector (one slot); the attention that uses it
 mixes each token's value with the previous token's, so decoding must read the cache to
@@ -16,8 +17,12 @@ from jax.sharding import PartitionSpec as P
 
 from dsattn import generate, model as model_lib, sharding
 from dsattn.bench.measures import synthetic_context
-from dsattn.cache.protocol import Container, is_container, reading
+from dsattn.cache.protocol import Container, PagePool, is_container, reading
 from dsattn.model import Transformer, layer_caches
+from dsattn.serve import programs
+from dsattn.serve.pool import PoolLayer, pool_layers, with_pool
+from dsattn.serve.request import Request
+from dsattn.serve.scheduler import Scheduler
 from dsattn.nn.layers import dense
 from dsattn.plan import Family
 from dsattn.scan import units
@@ -39,6 +44,20 @@ class PreviousWhole(Previous):
     protocol.reading)."""
 
     reads_whole = True
+
+
+@struct.dataclass
+class PreviousPooled(Previous):
+    """The same, declaring a page pool of `n_pages` (a static field) that its rows share:
+    what the server's page accounting sees and resizes (`page_pool`, `with_pages`)."""
+
+    n_pages: int = struct.field(pytree_node=False, default=12)
+
+    def page_pool(self):
+        return PagePool(4, self.n_pages)
+
+    def with_pages(self, n: int):
+        return self.replace(n_pages=n)
 
 
 class PreviousToken(nnx.Module):
@@ -116,3 +135,45 @@ def test_a_new_container_is_laid_out_and_filled(previous_token):
     np.testing.assert_array_equal(np.asarray(cache.pos), [5, 5])
     logits, _ = generate.decode_step(model, jnp.zeros((2,), jnp.int32), cache)
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_a_new_container_serves(previous_token):
+    """The scheduler clears a new container's rows by its default `cleared` (a row's
+    next owner starts from the blank row) and finds no page pool: three requests on two
+    rows equal their solo outputs."""
+    model = _model(False)
+    eng = generate.Engine(model)
+    assert pool_layers(eng.cfg, eng.init_cache(2, 16)) == ()
+    sched = Scheduler(eng, rows=2, max_len=16, max_chunk=16)
+    reqs = [Request(prompt=p, max_new_tokens=4) for p in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 3])]
+    ids = [sched.submit(r) for r in reqs]
+    got = sched.run()
+    for rid, r in zip(ids, reqs):
+        want = eng.generate([list(r.prompt)], r.max_new_tokens, max_len=16,
+                            on_token=lambda row, tok: None)[0]
+        assert got[rid] == list(want)
+    # a cleared row holds the blank's values, the others keep theirs
+    state = model.init_cache(2, 16)
+    state = state.replace(layers=jax.tree.map(jnp.ones_like, state.layers))
+    blank = model.init_cache(1, 16)
+    cleared = programs.clear_rows(model.units, state, jnp.array([True, False]), blank)
+    for layer in layer_caches(eng.cfg, cleared):
+        (c,) = jax.tree.leaves(layer, is_leaf=is_container)
+        assert not np.asarray(c.value[0]).any() and np.asarray(c.value[1]).any()
+
+
+def test_a_pooled_container_is_counted_and_sized(monkeypatch):
+    """A container that declares a page pool is one of the host's pool layers, and
+    with_pool resizes it through `with_pages`, with no switch on its type in serve/."""
+    class Pooled(PreviousToken):
+        container = PreviousPooled
+
+    monkeypatch.setitem(model_lib.ATTENTION, Family.MHA, Pooled)
+    model = _model(False)
+    state = model.init_cache(2, 16)
+    n = model.cfg.model.n_layers
+    assert pool_layers(model.cfg, state) == tuple(PoolLayer(i, 1, 4, 12) for i in range(n))
+    small = with_pool(model.cfg, state, 10)  # ceil(10 / 4) pages
+    assert pool_layers(model.cfg, small) == tuple(PoolLayer(i, 1, 4, 3) for i in range(n))
+    big = with_pool(model.cfg, state, 1000)  # never more than it has
+    assert pool_layers(model.cfg, big) == tuple(PoolLayer(i, 1, 4, 12) for i in range(n))

@@ -64,7 +64,7 @@ from flax import struct
 from flax.core import FrozenDict
 
 from dsattn.cache import formats
-from dsattn.cache.protocol import Container, batch_axes, flat_rows
+from dsattn.cache.protocol import Container, PagePool, batch_axes, flat_rows
 from dsattn.errors import CacheExhausted  # noqa: F401  (re-exported)
 
 
@@ -112,6 +112,20 @@ class PagedCache(Container):
 
     def check(self) -> None:
         check(self)
+
+    def page_pool(self) -> PagePool:
+        return PagePool(self.page_size, self.n_pages)
+
+    def with_pages(self, n: int) -> "PagedCache":
+        """This EMPTY cache with a pool of its first `n` pages, every one free, in one pool
+        group (`split_rows` splits it)."""
+        return regroup(self.replace(pages=jax.tree.map(lambda a: a[:n], self.pages),
+                                    free=jnp.zeros((n,), jnp.int32),
+                                    refs=jnp.zeros((n,), jnp.int32)), 1)
+
+    def cleared(self, rows, blank) -> "PagedCache":
+        """The rows' pages released (`release`); `blank` is not needed."""
+        return release(self, rows)
 
     def filled(self, n: int, stride: int, rand) -> "PagedCache":
         """n // stride entries appended to every row."""

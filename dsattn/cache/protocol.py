@@ -11,16 +11,28 @@ A container is a flax struct dataclass deriving from `Container`, with
   rows along the leading axis, like the stored vectors;
 
 and may override the hooks below (the defaults suit a container whose rows are
-independent). A container indexes its stored arrays as arrays (`a[idx]`, `a.at[idx].set`);
+independent). A container whose rows draw pages from one pool they share (a paged cache)
+says so through `page_pool`, `with_pages` and `cleared`, which the server's page accounting
+and row clearing (dsattn/serve/) call, so a new kind serves without a switch there. A container indexes its stored arrays as arrays (`a[idx]`, `a.at[idx].set`);
 what it is given may be an array-like view of a larger array (dsattn/scan.py), which
 `batch_axes` and `flat_rows` let code that vmaps or flattens them handle.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+
+class PagePool(NamedTuple):
+    """A pool of pages the rows of a container share: entries per page, and pages."""
+
+    page_size: int
+    n_pages: int
 
 
 class Container:
@@ -54,6 +66,22 @@ class Container:
         tensor size."""
         return jax.tree.map(lambda _: P(rows), self)
 
+    def page_pool(self) -> PagePool | None:
+        """The pool of pages its rows share, for the host's page accounting
+        (serve/pool.py); None: each row holds its own storage."""
+        return None
+
+    def with_pages(self, n: int):
+        """This (empty) cache with a pool of `n` pages (a pooled one; others are
+        unchanged)."""
+        return self
+
+    def cleared(self, rows, blank):
+        """This cache with the rows where `rows` [B] is True emptied for their next owner:
+        they take the values of `blank` (the same container for one empty row), so nothing
+        of the last owner survives (a pooled one releases their pages instead)."""
+        return blanked(self, rows, blank)
+
     def filled(self, n: int, stride: int, rand):
         """As if `n` positions had been written (entries every `stride`), with `rand(shape,
         dtype)` values: a benchmark's synthetic context."""
@@ -62,6 +90,13 @@ class Container:
 
 def is_container(node) -> bool:
     return isinstance(node, Container)
+
+
+def blanked(tree, rows, blank):
+    """`tree` with the rows where `rows` [B] is True (every leaf's leading axis) taking the
+    values of `blank` (the same tree for one row)."""
+    at = lambda a: rows.reshape((-1,) + (1,) * (a.ndim - 1))  # noqa: E731
+    return jax.tree.map(lambda old, new: jnp.where(at(old), new, old), tree, blank)
 
 
 def _is_view(a) -> bool:

@@ -13,12 +13,10 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsattn import plan
-from dsattn.cache import paged
-from dsattn.cache.paged import PagedCache
+from dsattn.cache.protocol import PagePool, is_container
 from dsattn.model import DecodeState, layer_caches, with_layer_caches
 
 
@@ -37,19 +35,22 @@ class PoolLayer:
         return -(-entries // self.page_size)
 
 
-def _paged_of(layer_cache) -> PagedCache | None:
-    found = [c for c in jax.tree.leaves(layer_cache, is_leaf=lambda n: isinstance(n, PagedCache))
-             if isinstance(c, PagedCache)]
+def _pool_of(layer_cache) -> PagePool | None:
+    """The page pool of a layer's caches (cache.protocol's `page_pool`): its first pooled
+    container's; None if none is pooled."""
+    found = [c.page_pool() for c in jax.tree.leaves(layer_cache, is_leaf=is_container)
+             if is_container(c) and c.page_pool() is not None]
     return found[0] if found else None
 
 
 def pool_layers(cfg, state: DecodeState) -> tuple[PoolLayer, ...]:
-    """The layers of `state` that own a paged cache (borrowers read another layer's)."""
+    """The layers of `state` that own a paged cache, or any container declaring a page
+    pool (cache.protocol's `page_pool`; borrowers read another layer's)."""
     out = []
     for spec, lc in zip(plan.resolve(cfg), layer_caches(cfg, state)):
-        c = _paged_of(lc)
-        if c is not None:
-            out.append(PoolLayer(spec.index, spec.stride, c.page_size, c.n_pages))
+        p = _pool_of(lc)
+        if p is not None:
+            out.append(PoolLayer(spec.index, spec.stride, p.page_size, p.n_pages))
     return tuple(out)
 
 
@@ -61,13 +62,13 @@ def with_pool(cfg, state: DecodeState, pool_tokens: int) -> DecodeState:
         raise ValueError(f"pool_tokens must be >= 1, got {pool_tokens}")
     specs = plan.resolve(cfg)
 
-    def shrink(spec, c: PagedCache) -> PagedCache:
-        n = min(c.n_pages, max(1, math.ceil(pool_tokens / spec.stride / c.page_size)))
-        c = c.replace(pages=jax.tree.map(lambda a: a[:n], c.pages),
-                      free=jnp.zeros((n,), jnp.int32), refs=jnp.zeros((n,), jnp.int32))
-        return paged.regroup(c, 1)
+    def shrink(spec, c):
+        p = c.page_pool() if is_container(c) else None
+        if p is None:
+            return c
+        return c.with_pages(min(p.n_pages, max(1, math.ceil(pool_tokens / spec.stride
+                                                             / p.page_size))))
 
-    caches = [jax.tree.map(lambda c, s=spec: shrink(s, c) if isinstance(c, PagedCache) else c,
-                           lc, is_leaf=lambda n: isinstance(n, PagedCache))
+    caches = [jax.tree.map(lambda c, s=spec: shrink(s, c), lc, is_leaf=is_container)
               for spec, lc in zip(specs, layer_caches(cfg, state))]
     return with_layer_caches(cfg, state, caches).replace(host_pos=state.host_pos)

@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dsattn import generate, scan
-from dsattn.cache import paged
-from dsattn.cache.paged import PagedCache
-from dsattn.cache.protocol import is_container
+from dsattn.cache.protocol import blanked, is_container
 
 
 @jax.jit
@@ -35,14 +33,11 @@ def sample_rows(logits, seeds, steps, temperature, top_p):
 
 
 def _clear(rows, cache, blank):
-    """One container with `rows` [B] cleared: a paged cache's pages go back to its free
-    stack (paged.release); every other container's rows take the values of `blank` (the
-    same container for one empty row), so no window slot or open compressor span of the last
-    owner survives."""
-    if isinstance(cache, PagedCache):
-        return paged.release(cache, rows)
-    at = lambda a: rows.reshape((-1,) + (1,) * (a.ndim - 1))  # noqa: E731
-    return jax.tree.map(lambda old, new: jnp.where(at(old), new, old), cache, blank)
+    """One container (or bare leaf) with `rows` [B] cleared for their next owner, as it
+    declares (cache.protocol's `cleared`: a paged cache's pages go back to its free stack;
+    other containers' rows take the values of `blank`, the same container for one empty row),
+    so no page, window slot or open compressor span of the last owner survives."""
+    return cache.cleared(rows, blank) if is_container(cache) else blanked(cache, rows, blank)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=1)
