@@ -331,7 +331,8 @@ def test_the_length_error_names_max_tokens(server):
     ({"prompt": "ab", "seed": -1}, "seed"),
     ({"prompt": "ab", "seed": 2 ** 40}, "seed"),
     ({"prompt": "ab", "stop": ["a"] * 5}, "stop"),  # OpenAI's limit: 4
-    ({"prompt": "ab", "n": 2}, "n"),
+    ({"prompt": "ab", "n": 0}, "n"),
+    ({"prompt": "ab", "n": ROWS + 1}, f"n: at most {ROWS}"),
     ({"prompt": "ab", "best_of": 3}, "best_of"),
     ({"prompt": "ab", "logprobs": 2}, "logprobs"),
     ({"prompt": "ab", "echo": True}, "echo"),
@@ -356,6 +357,39 @@ def test_openais_no_op_values_and_nulls_are_accepted(client, server, solo):
                         "temperature": 0, "seed": None, "stream": None})
     assert raw.status_code == 200, raw.text
     assert raw.json()["usage"]["completion_tokens"] == 16
+
+
+def test_n_choices_are_the_requests_of_seeds_seed_plus_i(client, solo):
+    kw = dict(model=NAME, prompt="ab", max_tokens=12, temperature=1.0, seed=5, n=ROWS)
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == list(range(ROWS))
+    want = [solo("ab", 12, 1.0, 5 + i) for i in range(ROWS)]
+    assert [c.text for c in r.choices] == [text for text, _ in want]
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 12 * ROWS
+    streamed = ["" for _ in range(ROWS)]
+    for piece in client.completions.create(**kw, stream=True):
+        for c in piece.choices:
+            streamed[c.index] += c.text
+    assert streamed == [text for text, _ in want]
+
+
+def test_n_choices_are_admitted_all_or_none(engine):
+    gate = threading.Event()
+    held = lambda step: (gate.wait(120), step())[1]  # noqa: E731
+    with serving(engine, step=held, max_queue=1) as url, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            body = {"prompt": "ab", "max_tokens": 3, "temperature": 0}
+            first = pool.submit(post, url, {**body, "n": ROWS}, timeout=180)
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/metrics", timeout=10).json()["open_requests"] < ROWS:
+                assert time.monotonic() < deadline, "the request never arrived"
+                time.sleep(0.05)
+            refused(post(url, {**body, "n": ROWS}, timeout=30), 429)  # 1 place left, not 2
+            assert httpx.get(url + "/metrics", timeout=10).json()["open_requests"] == ROWS
+        finally:
+            gate.set()
+        assert len(first.result().json()["choices"]) == ROWS
 
 
 # ---------------------------------------------------------------- 10. access and back-pressure

@@ -8,6 +8,7 @@ The body is read up to a limit (413 past it) and parsed, checked and tokenized o
 thread, so a big request never stalls the event loop the others are answered from. A client
 that disconnects has its request cancelled (its row freed), streamed or not. A request
 without `seed` gets a fresh one, reported in the response (`seed`) so it can be redrawn.
+`n` choices are n requests, choice i seeded seed + i, all admitted or none.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ ENDPOINTS = ("POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
 MAX_STOPS = 4  # OpenAI's limit (each is searched for after every token)
 # OpenAI's fields this server does not implement: accepted (or null) at the value that
 # changes nothing, since clients send them by default; refused otherwise.
-NO_OPS = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+NO_OPS = {"best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
           "logit_bias": {}, "suffix": ""}
 
 
@@ -58,7 +59,7 @@ class CompletionBody(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2 ** 31)  # default: a fresh one
     logprobs: int | None = None  # null only: no log probabilities are returned
     user: str | None = None  # ignored
-    n: int | None = None
+    n: int | None = Field(None, ge=1)  # choices, each its own row and seed (seed + index)
     best_of: int | None = None
     echo: bool | None = None
     presence_penalty: float | None = None
@@ -306,8 +307,10 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
         return model_card()
 
     def accept(raw: bytes, on_event):
-        """(body, ticket, prompt tokens, seed) of a request, submitted; on a worker thread:
-        parsing, checking and tokenizing cost time in proportion to the body."""
+        """(body, stop strings, tickets, prompt tokens, seed) of a request, submitted: one
+        request per choice (n), choice i seeded seed + i, each reporting through
+        on_event(i, event); on a worker thread: parsing, checking and tokenizing cost time
+        in proportion to the body."""
         try:
             body = CompletionBody.model_validate(_json_object(raw))
         except ValidationError as e:
@@ -339,11 +342,15 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
             raise _Refused(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                                 f"= {need} exceeds this model's {limit} tokens per request",
                            param="max_tokens", code="context_length_exceeded")
+        n, rows = body.n or 1, runner.scheduler.rows
+        if n > rows:  # the choices run side by side, a row each
+            raise _Refused(400, f"n: at most {rows} (this server's rows), got {n}", param="n")
         seed = secrets.randbelow(2 ** 31) if body.seed is None else body.seed
-        req = Request(prompt, max_tokens, 1.0 if body.temperature is None else body.temperature,
-                      1.0 if body.top_p is None else body.top_p, seed, eos_id=tokenizer.eos_id)
+        reqs = [Request(prompt, max_tokens, 1.0 if body.temperature is None else body.temperature,
+                        1.0 if body.top_p is None else body.top_p, (seed + i) % 2 ** 31,
+                        eos_id=tokenizer.eos_id) for i in range(n)]
         try:
-            ticket = runner.submit(req, on_event)
+            tickets = runner.submit_all(reqs, on_event)  # all choices or none
         except InputError as e:
             raise _Refused(400, str(e))
         except Busy as e:
@@ -351,13 +358,14 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
                            code="rate_limit_exceeded", headers={"retry-after": "1"})
         except Down:
             raise down()
-        return body, stop, ticket, len(prompt), seed
+        return body, stop, tickets, len(prompt), seed
 
-    async def cancel_on_disconnect(http: HTTPRequest, ticket: int) -> None:
-        """Cancel the request once its client disconnects (its row is freed for others)."""
+    async def cancel_on_disconnect(http: HTTPRequest, tickets: list) -> None:
+        """Cancel the request once its client disconnects (its rows are freed for others)."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        runner.cancel(ticket)
+        for t in tickets:
+            runner.cancel(t)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -365,74 +373,78 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
             return down().response()
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-        def on_event(ev):  # from the runner's thread
+        def on_event(i, ev):  # from the runner's thread: choice i's event
             with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped
-                loop.call_soon_threadsafe(events.put_nowait, ev)
+                loop.call_soon_threadsafe(events.put_nowait, (i, ev))
 
         try:
-            body, stop, ticket, n_prompt, seed = await run_in_threadpool(
+            body, stop, tickets, n_prompt, seed = await run_in_threadpool(
                 accept, await http.body(), on_event)
         except _Refused as e:
             return e.response()
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        text = _Text(tokenizer, stop)
+        texts = [_Text(tokenizer, stop) for _ in tickets]
+        open_choices = set(range(len(tickets)))
+
+        def cancel_all():
+            for t in tickets:
+                runner.cancel(t)
 
         async def next_piece():
-            """(text to send, finish reason or None) once something arrives."""
-            ev = await events.get()
+            """(choice, text to send, finish reason or None) once something arrives."""
+            i, ev = await events.get()
             if ev is None:
                 raise down()
+            text = texts[i]
             text.push(ev.token)
             if ev.finish is None and text.stopped:
-                runner.cancel(ticket)  # its CANCELLED event ends the loop below
+                runner.cancel(tickets[i])  # its CANCELLED event ends the choice below
             final = ev.finish is not None
-            if final:
-                text.push(None)
             reason = None
             if final:
+                text.push(None)
+                open_choices.discard(i)
                 reason = ("length" if ev.finish is Finish.LENGTH and not text.stopped
                           else "stop")
-            return text.fresh(final), reason
+            return i, text.fresh(final), reason
 
-        def chunk(piece: str, reason):
+        def chunk(pieces: list):
             return {"id": cid, "object": "text_completion", "created": created,
                     "model": model_name, "seed": seed,
-                    "choices": [{"text": piece, "index": 0, "logprobs": None,
-                                 "finish_reason": reason}]}
+                    "choices": [{"text": piece, "index": i, "logprobs": None,
+                                 "finish_reason": reason} for i, piece, reason in pieces]}
 
         if body.stream:
             async def sse():
                 try:
-                    while True:
+                    while open_choices:
                         try:
-                            piece, reason = await next_piece()
+                            i, piece, reason = await next_piece()
                         except _Refused as e:  # the scheduler died mid-stream
                             yield f"data: {json.dumps(e.content())}\n\n"
                             return
                         if piece or reason:
-                            yield f"data: {json.dumps(chunk(piece, reason))}\n\n"
-                        if reason:
-                            break
+                            yield f"data: {json.dumps(chunk([(i, piece, reason)]))}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
-                    runner.cancel(ticket)  # a client gone mid-stream frees its row
+                    cancel_all()  # a client gone mid-stream frees its rows
 
             return StreamingResponse(sse(), media_type="text/event-stream")
-        watch = asyncio.ensure_future(cancel_on_disconnect(http, ticket))
-        out = []
+        watch = asyncio.ensure_future(cancel_on_disconnect(http, tickets))
+        out, reasons = [[] for _ in tickets], [None] * len(tickets)
         try:
-            while True:
-                piece, reason = await next_piece()
-                out.append(piece)
-                if reason:
-                    break
+            while open_choices:
+                i, piece, reasons[i] = await next_piece()
+                out[i].append(piece)
         except _Refused as e:
+            cancel_all()
             return e.response()
         finally:
             watch.cancel()
-        body_out = chunk("".join(out), reason)
-        body_out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": text.tokens,
-                             "total_tokens": n_prompt + text.tokens}
+        body_out = chunk([(i, "".join(pieces), reasons[i]) for i, pieces in enumerate(out)])
+        completion = sum(t.tokens for t in texts)
+        body_out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                             "total_tokens": n_prompt + completion}
         return body_out
 
     return app

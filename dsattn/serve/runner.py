@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from functools import partial
 
 from dsattn.serve.request import Event, Request
 from dsattn.serve.scheduler import Scheduler
@@ -81,18 +82,26 @@ class Runner:
         runner's thread for each of its events, the last with `finish` set (or once with
         None if the thread dies). Returns a ticket for `cancel`. Busy if rows and queue are
         full, Down if the thread has stopped."""
-        self.scheduler.check(req)
+        return self.submit_all([req], lambda i, ev: on_event(ev))[0]
+
+    def submit_all(self, reqs: list, on_event) -> list[int]:
+        """`submit` for several requests at once, all queued or none (Busy when the rows and
+        queue lack room for all); `on_event(i, Event)` for request i's events."""
+        for req in reqs:
+            self.scheduler.check(req)
         with self._lock:
             if self.error is not None:
                 raise Down(self.error)
             if (self.max_queue is not None
-                    and self._open >= self.scheduler.rows + self.max_queue):
+                    and self._open + len(reqs) > self.scheduler.rows + self.max_queue):
                 raise Busy(f"{self._open} requests are open, the most it takes "
-                           f"({self.scheduler.rows} rows and {self.max_queue} waiting)")
-            self._open += 1
-            ticket = next(self._tickets)
-            self._inbox.put(("submit", ticket, req, on_event))
-        return ticket
+                           f"({self.scheduler.rows} rows and {self.max_queue} waiting)"
+                           + (f", and these are {len(reqs)}" if len(reqs) > 1 else ""))
+            self._open += len(reqs)
+            tickets = [next(self._tickets) for _ in reqs]
+            for i, (ticket, req) in enumerate(zip(tickets, reqs)):
+                self._inbox.put(("submit", ticket, req, partial(on_event, i)))
+        return tickets
 
     def cancel(self, ticket: int) -> None:
         self._inbox.put(("cancel", ticket))
