@@ -261,9 +261,10 @@ FULL = {
         "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
     "tests/test_indexer_recall.py::test_recall_does_not_depend_on_query_blocks":
         "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
-    "tests/test_indexer_recall.py::test_metrics_jsonl_has_recall_in_the_dense_warmup_only":
-        "tests/test_convert.py::test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run "
-        "reads it from metrics.jsonl in both stages",
+    "tests/test_convert.py::test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run":
+        "its parts stay: freezing (test_a_frozen_parameter_stays_where_it_was_and_has_no_"
+        "moments), MLA -> DSA, --init-from's record and resume, the recall metric in "
+        "metrics.jsonl (test_indexer_recall.py)",
     "tests/test_accum.py::test_seed_group_accumulates":
         "SeedGroup: tests/test_train.py::test_a_nan_in_one_seed_stops_the_group_naming_that_"
         "seed stays",

@@ -146,9 +146,11 @@ def test_a_rerun_before_the_first_checkpoint_starts_from_the_pinned_source(tmp_p
     again = train.Trainer(cfg, tmp_path / "new", quiet=True)  # no flag, no checkpoint yet
     assert again.conversion is not None
     np.testing.assert_array_equal(logits(again.model()), logits(first.model()))
-    again.run()  # saves a checkpoint: from now on the run resumes from its own
+    again.save()  # a checkpoint (step 0): from now on the run resumes from its own
+    again.rundir.finish_saves()
     resumed = train.Trainer(cfg, tmp_path / "new", quiet=True, init_from=str(tmp_path / "src"))
-    assert resumed.conversion is None and resumed.step == cfg.train.steps
+    assert resumed.conversion is None and resumed.step == 0
+    np.testing.assert_array_equal(logits(resumed.model()), logits(first.model()))
 
 
 FREEZE_ALL_BUT_THE_INDEXER = ("train.freeze=['*', '!*/selector/*', '!*/attn/wk/*', "
