@@ -261,6 +261,11 @@ FULL = {
         "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
     "tests/test_indexer_recall.py::test_recall_does_not_depend_on_query_blocks":
         "test_recall_is_measured_in_the_dense_warmup_only keeps the metric",
+    "tests/test_indexer_recall.py::test_metrics_jsonl_has_recall_in_the_dense_warmup_only":
+        "test_recall_is_measured_in_the_dense_warmup_only keeps the metric's values",
+    "tests/test_properties.py::test_prefill_and_decode_equal_forward[dsa]":
+        "DSA's decode against its forward: tests/test_scan.py::test_scanned_stack_equals_"
+        "unrolled_and_decodes_its_forward[dsa] stays",
     "tests/test_convert.py::test_the_v3_2_recipe_runs_its_two_stages_from_a_dense_mla_run":
         "its parts stay: freezing (test_a_frozen_parameter_stays_where_it_was_and_has_no_"
         "moments), MLA -> DSA, --init-from's record and resume, the recall metric in "
