@@ -151,7 +151,7 @@ def sink_read_grads(impl, dense):
         read = attend.Read(q, positions, jnp.ones((b, t), bool),
                            (reads.Picked(store, sel, 2), Window.of_sequence(kv, positions, 3)),
                            sink, target, attend.Layout.SHARED, c ** -0.5, 4, q.dtype)
-        out, kl = impl(read, lambda q: q, lambda o, pos: o)
+        out, (kl, _) = impl(read, lambda q: q, lambda o, pos: o)
         return jnp.sum(out * jnp.cos(out)) + kl, (out, kl)
 
     return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, kv, entries, sink)

@@ -77,10 +77,10 @@ class Read:
     KL loss learns the attention mass on the global items (None: no mass wanted). Static:
     the layout, the softmax ``scale``, ``value_dim`` (SHARED: the output is the mix of each
     entry's first value_dim channels; None: all), the query and entry block sizes
-    (``entry_block`` None: no online softmax), ``dtype`` (what a store decodes to), and
-    ``recall`` (with a target): also the indexer's recall where a selection is read densely
-    (`indexer.recall_terms`, the dense warm-up's metric); the read's KL loss then comes as
-    (KL loss, (Σ recall, queries measured)), else alone, as the registry's contract has it.
+    (``entry_block`` None: no online softmax) and ``dtype`` (what a store decodes to). With
+    a target the read returns (KL loss, (Σ recall, queries measured)): the indexer's recall
+    where a selection is read densely (`indexer.recall_terms`, the dense warm-up's metric;
+    (0, 0) where it read only its picks).
     """
 
     q: Any
@@ -95,7 +95,6 @@ class Read:
     dtype: Any = struct.field(pytree_node=False)
     value_dim: int | None = struct.field(pytree_node=False, default=None)
     entry_block: int | None = struct.field(pytree_node=False, default=None)
-    recall: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def global_read(self):
@@ -112,10 +111,9 @@ Epilogue = Callable[[jax.Array, jax.Array], jax.Array]
 
 def attend(read: Read, impl: str, prologue: Prologue | None = None,
            epilogue: Epilogue | None = None):
-    """(the layer's output [B, T, ...], the indexer's KL loss or None; with ``read.recall``
-    (KL loss, recall terms)) of ``read`` through the registered attention implementation
-    ``impl`` chooses for the platform the program is lowered for (a `registry.Choice` from
-    `registry.resolve`)."""
+    """(the layer's output [B, T, ...], with a KL target (KL loss, recall terms), else None)
+    of ``read`` through the registered attention implementation ``impl`` chooses for the
+    platform the program is lowered for (a `registry.Choice` from `registry.resolve`)."""
     prologue, epilogue = prologue or (lambda q: q), epilogue or (lambda o, pos: o)
     return registry.dispatch(impl, lambda name: registry.load(registry.Op.ATTENTION, name)(
         read, prologue, epilogue))

@@ -62,5 +62,5 @@ class SinkAttentionOutput(nnx.Module):
         return attend.attend(
             attend.Read(q, positions, valid, parts, self.sink[...], target,
                         attend.Layout.SHARED, q.shape[-1] ** -0.5, self.query_block, q.dtype,
-                        entry_block=self.entry_block, recall=target is not None),
+                        entry_block=self.entry_block),
             self.impl, epilogue=epilogue)

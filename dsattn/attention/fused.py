@@ -15,7 +15,7 @@ selected-entries kernel and its entry-mass pass into a registry entry.
 Each part of the read is one kernel call over the whole sequence (a kernel blocks it
 itself); the parts are merged by their log-sum-exp with the sink added once, the
 epilogue runs over the whole output, and the indexer's KL target (and, where a selection is
-read densely, its recall: `Read.recall`) comes from `entry_mass` at the merged log-sum-exp.
+read densely, its recall) comes from `entry_mass` at the merged log-sum-exp.
 Nothing here materialises per-block scores. A decode step over shared entries (the V4
 family's window and global part, MLA's absorbed latents, DSA's picked tokens) goes to
 `decode` when given, so it reads only what it selects, as stored; otherwise a paged store
@@ -128,14 +128,12 @@ def adapter(dense, sparse, entry_mass, decode=None):
         y = epilogue(out, read.positions)
         if read.target is None:
             return y, None
-        (total, count), recall = sums if read.recall else (sums, None)
-        kl = total / jnp.maximum(count, 1)
-        return y, kl if recall is None else (kl, recall)
+        (total, count), recall = sums
+        return y, (total / jnp.maximum(count, 1), recall)
 
     def kernels(read: Read, q):
         """(the read's output [B, T, H, dv] before the epilogue, and with a KL target its
-        (total, count) of KL terms, with `read.recall` paired with the recall terms; else
-        ()), every part by a kernel."""
+        ((total, count) of KL terms, recall terms); else ()), every part by a kernel."""
         heads, pos = q.shape[2], read.positions
         parts = None if decode is None else _decode_parts(read, q)
         if parts is not None:
@@ -180,10 +178,8 @@ def adapter(dense, sparse, entry_mass, decode=None):
                 ids = jnp.where(seen, jnp.arange(n, dtype=jnp.int32), -1)
                 mass = entry_mass(q_blk, entries, ids, lse_blk, scale=read.scale)
                 seen = seen & ok_rows[..., None]
-                kl = indexer.kl_terms(indexer.scores(iq, w, keys), mass, seen)
-                if not read.recall:
-                    return (), kl
-                return (), (kl, indexer.no_recall(mass) if picks_blk is None
+                return (), (indexer.kl_terms(indexer.scores(iq, w, keys), mass, seen),
+                            indexer.no_recall(mass) if picks_blk is None
                             else indexer.recall_terms(mass, seen, *picks_blk))
 
             valid = jnp.ones(pos.shape, bool) if read.valid is None else read.valid
@@ -227,7 +223,7 @@ def _kl_terms(read: Read, store, ids, mass):
         keys, got = store.gather("key", idx, read.dtype)
         mask = (idx >= 0) & got & ok_rows[..., None]
         kl = indexer.kl_terms(indexer.gathered_scores(iq, w, keys), m, mask)
-        return (), (kl, indexer.no_recall(m)) if read.recall else kl  # read only the picks
+        return (), (kl, indexer.no_recall(m))  # read only the picks: no recall
 
     return blocks.map_queries(one, read.query_block,
                               (read.target.q, read.target.w, ids, mass, valid))[1]

@@ -101,8 +101,7 @@ class MLA(nnx.Module):
         and V for every head, V their first dc channels) for q = (q_nope, q_pe):
         (output [B, T, D], with a target its (KL loss, recall terms), else None)."""
         read = attend.Read(q, positions, valid, parts, None, target, attend.Layout.SHARED,
-                           self.scale, self.query_block, self.dtype, value_dim=self.dc,
-                           recall=target is not None)
+                           self.scale, self.query_block, self.dtype, value_dim=self.dc)
         return attend.attend(read, self.impl, self._absorb, self._absorbed_output)
 
     # -- entry points ------------------------------------------------------------------

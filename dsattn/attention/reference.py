@@ -224,7 +224,7 @@ def _online(q, items, sink, scale, value_dim, block: int):
 # -- the blocked pass ---------------------------------------------------------------------------
 def run(read: Read, prologue, epilogue):
     """(epilogue's output [B, T, ...], the indexer's KL loss or None) of ``read`` by query
-    blocks (module docstring); with ``read.recall`` (KL loss, recall terms) for the loss."""
+    blocks (module docstring); with a KL target (KL loss, recall terms) for the loss."""
     lay = LAYOUTS[read.layout]
     glob, target = read.global_read, read.target
     if glob is None:
@@ -284,11 +284,9 @@ def run(read: Read, prologue, epilogue):
         score = (indexer.scores(iq, w, keys) if keys.ndim == 3
                  else indexer.gathered_scores(iq, w, keys))
         mask = mask & ok_rows[..., None]
-        kl = indexer.kl_terms(score, mass, mask)
-        if not read.recall:
-            return y, kl
         # a dense read's selection (`picks`) against the mass's own top-k; none in the other
-        return y, (kl, indexer.no_recall(mass) if picks is None
+        return y, (indexer.kl_terms(score, mass, mask),
+                   indexer.no_recall(mass) if picks is None
                    else indexer.recall_terms(mass, mask, *picks))
 
     def body(start, blk, end):
@@ -316,7 +314,6 @@ def run(read: Read, prologue, epilogue):
                                        read.query_block, per_block)
     if target is None:
         return out, None
-    (total, count), recall = sums if read.recall else (sums, None)
-    kl = total / jnp.maximum(count, 1)
-    return out, kl if recall is None else (kl, recall)
+    (total, count), recall = sums
+    return out, (total / jnp.maximum(count, 1), recall)
 

@@ -30,7 +30,7 @@ AUTO = "auto"
 class Op(enum.Enum):
     """An operation with implementations, and the config key that names its choice."""
 
-    ATTENTION = "attention.impl"  # an attention read: attend.Read -> (output, KL loss)
+    ATTENTION = "attention.impl"  # attend.Read -> (output, (KL loss, recall terms) or None)
     INDEXER_SCORE = "indexer.impl"  # scores of indexer queries over a paged cache's keys
 
 
