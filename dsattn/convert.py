@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsattn import checkpoint, plan, scan
+from dsattn import checkpoint, plan, scan, trainstep
 from dsattn.config import Config
 from dsattn.errors import ConfigError
 from dsattn.plan import Family
@@ -112,13 +112,9 @@ def parse_source(text: str) -> tuple[Path, int | None]:
 
 
 # ------------------------------------------------------------------------------- trees
-def flat(tree, prefix: str = "") -> dict:
-    """A pure dict of parameters as {"a/b/c": array}."""
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        out.update(flat(v, path + "/") if isinstance(v, dict) else {path: v})
-    return out
+def flat(tree) -> dict:
+    """A pure dict of parameters as {"a/b/c": array} (the paths train.freeze matches)."""
+    return dict(zip(trainstep.parameter_paths(tree), jax.tree.leaves(tree)))
 
 
 def nested(flat_tree: dict, like: dict) -> dict:
@@ -131,18 +127,12 @@ def nested(flat_tree: dict, like: dict) -> dict:
 
 def per_layer(cfg: Config, params: dict) -> list[dict]:
     """The stack's parameters one dict per layer, in stack order (scanned groups unstacked)."""
-    units = scan.units(cfg)
-    items = [params["blocks"][j]["layers"] if u.scanned else params["blocks"][j]
-             for j, u in enumerate(units)]
-    return scan.per_layer(units, items)
+    return scan.block_layers(scan.units(cfg), params["blocks"])
 
 
 def with_layers(cfg: Config, params: dict, layers: list[dict]) -> dict:
     """`params` holding `layers` (one per layer, as `per_layer` gives them)."""
-    units = scan.units(cfg)
-    blocks = {j: {"layers": dict(enumerate(item))} if u.scanned else item
-              for j, (u, item) in enumerate(zip(units, scan.per_unit(units, layers)))}
-    return {**params, "blocks": blocks}
+    return {**params, "blocks": scan.layer_blocks(scan.units(cfg), layers)}
 
 
 # ------------------------------------------------------------------------------- rules

@@ -442,16 +442,25 @@ def per_unit(units_, layers) -> list:
     return out
 
 
+def block_layers(units_, blocks: dict) -> list:
+    """A model's "blocks" subtree (params or optimizer moments, one entry per unit; a
+    scanned group's slots under "layers", each stacked) as one tree per layer."""
+    return per_layer(units_, [blocks[j]["layers"] if u.scanned else blocks[j]
+                              for j, u in enumerate(units_)])
+
+
+def layer_blocks(units_, layers: list) -> dict:
+    """`block_layers`' inverse: the "blocks" subtree of `units_` holding `layers`."""
+    return {j: {"layers": dict(enumerate(item))} if u.scanned else item
+            for j, (u, item) in enumerate(zip(units_, per_unit(units_, layers)))}
+
+
 def relayout(tree, units_from, units_to, rewrite):
     """A params (or optimizer-state) tree laid out for `units_from` re-laid out for
-    `units_to`: a scanned group's slots are under "layers" (ScannedBlocks), each stacked.
-    `rewrite(tree, key, fn)` applies fn to every subtree under `key` (migrations.rewrite)."""
+    `units_to`. `rewrite(tree, key, fn)` applies fn to every subtree under `key`
+    (migrations.rewrite)."""
     def blocks(units_blocks: dict) -> dict:
-        items = [units_blocks[j]["layers"] if u.scanned else units_blocks[j]
-                 for j, u in enumerate(units_from)]
-        layers = per_layer(units_from, items)
-        return {j: {"layers": dict(enumerate(item))} if u.scanned else item
-                for j, (u, item) in enumerate(zip(units_to, per_unit(units_to, layers)))}
+        return layer_blocks(units_to, block_layers(units_from, units_blocks))
 
     return tree if units_from == units_to else rewrite(tree, "blocks", blocks)
 
