@@ -127,6 +127,11 @@ class PagedCache(Container):
         """The rows' pages released (`release`); `blank` is not needed."""
         return release(self, rows)
 
+    def retained(self, rows) -> "PagedCache":
+        """Each page the rows hold gains a holder (`hold` + 1 over their tables)."""
+        ids = jnp.where(jnp.asarray(rows, bool)[:, None], self.page_table, -1)
+        return hold(self, ids.reshape(self.groups, -1), 1)
+
     def filled(self, n: int, stride: int, rand) -> "PagedCache":
         """n // stride entries appended to every row."""
         e, b = n // stride, self.length.shape[-1]

@@ -12,7 +12,7 @@ A container is a flax struct dataclass deriving from `Container`, with
 
 and may override the hooks below (the defaults suit a container whose rows are
 independent). A container whose rows draw pages from one pool they share (a paged cache)
-says so through `page_pool`, `with_pages` and `cleared`, which the server's page accounting
+says so through `page_pool`, `with_pages`, `cleared` and `retained`, which the server's page accounting
 and row clearing (dsattn/serve/) call, so a new kind serves without a switch there. A container indexes its stored arrays as arrays (`a[idx]`, `a.at[idx].set`);
 what it is given may be an array-like view of a larger array (dsattn/scan.py), which
 `batch_axes` and `flat_rows` let code that vmaps or flattens them handle.
@@ -81,6 +81,14 @@ class Container:
         they take the values of `blank` (the same container for one empty row), so nothing
         of the last owner survives (a pooled one releases their pages instead)."""
         return blanked(self, rows, blank)
+
+    def retained(self, rows):
+        """This cache with one more holder of everything pooled that the rows where `rows`
+        [B] is True hold: their state was just copied to a snapshot, or from one (a prefix
+        cache's), so two places now point at the same pages. A pooled container counts
+        the holder (its pages stay until every holder released them); others hold nothing
+        shared and are unchanged."""
+        return self
 
     def filled(self, n: int, stride: int, rand):
         """As if `n` positions had been written (entries every `stride`), with `rand(shape,

@@ -75,3 +75,4 @@ class Event:
     request_id: int
     token: int | None
     finish: Finish | None = None
+    cached_tokens: int | None = None  # on a request's first event: prompt tokens it reused

@@ -46,9 +46,10 @@ import numpy as np
 
 from dsattn import generate
 from dsattn.errors import InputError
-from dsattn.serve import programs
-from dsattn.serve.pool import pool_layers, with_pool
+from dsattn.serve import prefix, programs
+from dsattn.serve.pool import PageLedger, pool_layers, with_pool
 from dsattn.serve.request import Event, Finish, Request
+from dsattn.serve.snapshots import Snapshots
 
 
 @dataclasses.dataclass
@@ -58,6 +59,9 @@ class _Job:
     rid: int
     req: Request
     output: list[int] = dataclasses.field(default_factory=list)
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's blocks
+    cached: int | None = None  # prompt tokens reused at its first start (None: not started)
+    reported: bool = False  # its first event went out (it carries `cached`)
 
     @property
     def context(self) -> list[int]:
@@ -70,6 +74,10 @@ class _Row:
     job: _Job
     seq: int  # admission order: the youngest row is preempted first
     written: int = 0  # positions of its context in the cache
+    started: bool = False  # restored or begun from nothing (else waiting for a prefix)
+    node: prefix.Node | None = None  # the prefix it restored (pinned while it runs)
+    awaiting: prefix.Node | None = None  # the PENDING prefix it waits for (pinned)
+    pending: dict = dataclasses.field(default_factory=dict)  # end -> its node to publish
 
 
 class Scheduler:
@@ -78,12 +86,16 @@ class Scheduler:
     pool_tokens: size of each paged layer's pool in positions (default: rows * max_len,
     which never runs short); token_budget: tokens one step runs at most (decoding rows
     included), > rows; max_chunk: the longest prefill chunk of one row (a power of two);
-    replay: bounded-replay prefill for CED configs, as Engine.prefill's (None: exact).
+    replay: bounded-replay prefill for CED configs, as Engine.prefill's (None: exact);
+    prefix_cache: reuse cached prompt prefixes (docs/prefix_caching.md; off on a mesh);
+    prefix_nodes: snapshot slots, the most prefixes kept at once (default 4 * rows, >= 8);
+    prefix_stride: tokens between published prefixes (default prefix.stride's).
     """
 
     def __init__(self, engine: generate.Engine, rows: int, max_len: int, *,
                  pool_tokens: int | None = None, token_budget: int | None = None,
-                 max_chunk: int = 64, replay=None):
+                 max_chunk: int = 64, replay=None, prefix_cache: bool = True,
+                 prefix_nodes: int | None = None, prefix_stride: int | None = None):
         if rows < 1:
             raise InputError(f"scheduler: rows must be >= 1, got {rows}")
         if max_chunk < generate.MIN_BUCKET or max_chunk & (max_chunk - 1):
@@ -111,6 +123,26 @@ class Scheduler:
         self._pending: list[Event] = []  # finished without a step (max_new_tokens 0, cancel)
         self.generated = 0  # output tokens produced so far
         self.preemptions = 0
+        # The host's mirror of every pool's page references (admission, preemption and the
+        # single-owner rule are decided on it before a step runs).
+        self.ledgers = [PageLedger(p, rows) for p in self.pools]
+        self.prefix_cache = bool(prefix_cache) and self._axes is not None
+        self.prefix_stats = collections.Counter()  # hit/prompt tokens, evictions, refusals
+        if self.prefix_cache:
+            cfg = engine.cfg
+            self.block = prefix.block_size(cfg)
+            self.stride = prefix_stride or prefix.stride(cfg, max_chunk)
+            if self.stride % self.block:
+                raise InputError(f"scheduler: prefix_stride ({self.stride}) must be a "
+                                 f"multiple of the block size {self.block}")
+            self._fingerprint = prefix.fingerprint(cfg, {
+                "engine": id(engine), "replay": self.replay, "block": self.block,
+                "stride": self.stride})
+            self.index = prefix.PrefixIndex()
+            n_nodes = prefix_nodes or max(8, 4 * rows)
+            self.snapshots = Snapshots(engine.units, self._axes, lambda b: self._placed(
+                with_pool(cfg, engine.init_cache(b, max_len), 1)), self._blank, n_nodes)
+            self._free_slots = list(range(n_nodes))
 
     def _empty(self):
         """An empty decode state of the scheduler's rows, max_len and pools."""
@@ -149,8 +181,10 @@ class Scheduler:
         """Queue `req` (checked first); return its id."""
         self.check(req)
         job = _Job(next(self._ids), req)
+        if self.prefix_cache:
+            job.digests = prefix.block_digests(self._fingerprint, req.prompt, self.block)
         if req.max_new_tokens == 0:
-            self._pending.append(Event(job.rid, None, Finish.LENGTH))
+            self._pending.append(self._event(job, None, Finish.LENGTH))
         else:
             self._queue.append(job)
         return job.rid
@@ -161,12 +195,13 @@ class Scheduler:
         for job in self._queue:
             if job.rid == rid:
                 self._queue.remove(job)
-                self._pending.append(Event(rid, None, Finish.CANCELLED))
+                self._pending.append(self._event(job, None, Finish.CANCELLED))
                 return
         rows = [i for i, r in enumerate(self._slots) if r is not None and r.job.rid == rid]
         if rows:
+            job = self._slots[rows[0]].job
             self._clear(rows)
-            self._pending.append(Event(rid, None, Finish.CANCELLED))
+            self._pending.append(self._event(job, None, Finish.CANCELLED))
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -190,8 +225,7 @@ class Scheduler:
 
     def pages_free(self) -> int:
         """Free pages over every paged layer (0 for a model without pools)."""
-        held = self._written()
-        return int(sum(p.n_pages - p.pages(held).sum() for p in self.pools))
+        return sum(led.free for led in self.ledgers)
 
     @property
     def pages_total(self) -> int:
@@ -202,13 +236,17 @@ class Scheduler:
         """Admit, plan, run one compiled step and sample; return its events."""
         events, self._pending = self._pending, []
         self._admit()
+        self._start()
         n_new = self._plan()
         if not n_new.any():
             return events
         logits = self._run(n_new)
+        for led in self.ledgers:  # what the step's appends did on the device
+            led.append(self._entries(led, n_new))
         for i, r in enumerate(self._slots):
             if r is not None:
                 r.written += int(n_new[i])
+        self._publish()
         drawing = [i for i, r in enumerate(self._slots)
                    if r is not None and n_new[i] and r.written == len(r.job.context)]
         if drawing:
@@ -225,24 +263,161 @@ class Scheduler:
                     out[ev.request_id].append(ev.token)
         return out
 
-    def _held(self, extra: list[int] = ()) -> list[int]:
-        """Pages every layer would hold for each active row's whole context, plus rows of
-        `extra` contexts."""
-        ctx = [len(r.job.context) for r in self._slots if r is not None] + list(extra)
-        return [int(p.pages(np.array(ctx)).sum()) for p in self.pools]
+    # -- pages ----------------------------------------------------------------------------
+    def _entries(self, led: PageLedger, n_new) -> np.ndarray:
+        """Entries each row appends to `led`'s layer when it writes n_new more positions."""
+        s = led.layer.stride
+        written = self._written()
+        return (written + np.asarray(n_new, np.int64)) // s - written // s
+
+    def _short(self, extra=None) -> bool:
+        """Whether some pool cannot hold every row's whole context (and `extra`'s: (job,
+        positions it would restore)), counting pages as the ledgers hold them: shared
+        ones once, a copy for a row that will write a shared partly filled page."""
+        for led in self.ledgers:
+            ps, s = led.page_size, led.layer.stride
+            need = 0
+            rows = [(r.job, r.written if r.started else 0, i)
+                    for i, r in enumerate(self._slots) if r is not None]
+            rows += [(extra[0], extra[1], None)] if extra is not None else []
+            for job, have, i in rows:
+                e0, e1 = have // s, len(job.context) // s
+                held = len(led.tables[i]) if i is not None else -(-e0 // ps)
+                copy = e1 > e0 and e0 % ps != 0 and (i is None or led.shared(i)[-1])
+                need += max(-(-e1 // ps) - held, 0) + copy
+            if need > led.free:
+                return True
+        return False
 
     def _admit(self) -> None:
         admitted = []
         while self._queue and None in self._slots:
             job = self._queue[0]
-            held = self._held([len(job.context)])
-            if any(h > p.n_pages for h, p in zip(held, self.pools)):
+            hit = self._match(job).end if self.prefix_cache else 0
+            if self._short((job, hit)):
+                if self._evict(keep=job):
+                    continue  # room made by dropping a cached prefix: try again
                 break  # first come, first served: wait for pages
             self._queue.popleft()
             admitted.append(self._slots.index(None))
             self._slots[admitted[-1]] = _Row(job, next(self._seq))
         if admitted:  # a fresh row, whatever a free row holds (retirement cleared it too)
             self._reset(admitted)
+
+    # -- prefixes -------------------------------------------------------------------------
+    def _limit(self, job: _Job) -> int:
+        return prefix.reusable_limit(len(job.req.prompt), self.replay)
+
+    def _match(self, job: _Job) -> prefix.Match:
+        """The deepest cached prefix `job` may reuse (and a deeper one being computed)."""
+        return self.index.match(job.req.prompt, job.digests, self._limit(job))
+
+    def _points(self, job: _Job) -> list[int]:
+        """Where `job`'s row publishes its prefix: every multiple of the stride and its last
+        block boundary, up to what a request may reuse."""
+        limit = self._limit(job)
+        last = limit // self.block * self.block
+        return sorted({b for b in range(self.stride, limit + 1, self.stride)} | {last} - {0})
+
+    def _start(self) -> None:
+        """Start the rows waiting to: each restores the deepest cached prefix of its prompt,
+        or waits while a deeper one is being computed by another row, or begins from
+        nothing; then registers the prefixes it will publish."""
+        restore = []
+        for i, r in enumerate(self._slots):
+            if r is None or r.started:
+                continue
+            if not self.prefix_cache:
+                r.started = True
+                r.job.cached = 0 if r.job.cached is None else r.job.cached
+                continue
+            m = self._match(r.job)
+            if m.pending is not None:
+                if r.awaiting is not m.pending:
+                    self._unwait(r)
+                    r.awaiting = self.index.pin(m.pending.digest)
+                continue
+            self._unwait(r)
+            r.started = True
+            if m.ready is not None:
+                r.node = self.index.pin(m.ready.digest)
+                r.written = m.ready.end
+                restore.append(i)
+            if r.job.cached is None:
+                r.job.cached = r.written
+                self.prefix_stats["hit_tokens"] += r.written
+                self.prefix_stats["prompt_tokens"] += len(r.job.req.prompt)
+                if self.replay is not None and self.index.match(
+                        r.job.req.prompt, r.job.digests, len(r.job.req.prompt)).end > r.written:
+                    # a longer cached prefix reaches into its replay window: not exact there
+                    self.prefix_stats["refused_replay_window"] += 1
+            for b in self._points(r.job):
+                digest = r.job.digests[b // self.block - 1]
+                if b > r.written and digest not in self.index:
+                    r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
+        if restore:
+            rows = [self._slots[i] for i in restore]
+            self.cache = self.snapshots.give(self.cache, restore,
+                                             [r.node.payload["slot"] for r in rows], self.rows)
+            for i, r in zip(restore, rows):
+                for led, handles in zip(self.ledgers, r.node.payload["pages"]):
+                    led.share(i, handles, r.written // led.layer.stride)
+
+    def _unwait(self, r: _Row) -> None:
+        if r.awaiting is not None:
+            self.index.unpin(r.awaiting.digest)
+            r.awaiting = None
+
+    def _publish(self) -> None:
+        """Rows that just reached a point they publish keep a snapshot of themselves there
+        (pages by reference); their PENDING nodes become READY."""
+        rows, slots, nodes = [], [], []
+        for i, r in enumerate(self._slots):
+            node = r.pending.pop(r.written, None) if r is not None else None
+            if node is None:
+                continue
+            if not self._free_slots and not self._evict():
+                self._abandon(node)  # every slot pinned: this prefix is not kept
+                continue
+            slot = self._free_slots.pop()
+            pages = [list(led.tables[i][:-(-(r.written // led.layer.stride) // led.page_size)])
+                     for led in self.ledgers]
+            for led, handles in zip(self.ledgers, pages):
+                led.hold(handles, 1)
+            node.payload = {"slot": slot, "pages": pages}
+            rows.append(i)
+            slots.append(slot)
+            nodes.append(node)
+        if rows:
+            self.cache = self.snapshots.take(self.cache, rows, slots, self.rows)
+            for node in nodes:
+                self.index.publish(node.digest)
+
+    def _abandon(self, node: prefix.Node) -> None:
+        """Drop a PENDING node; rows waiting for it look again at their next start."""
+        for r in self._slots:
+            if r is not None and r.awaiting is node:
+                self._unwait(r)
+        self.index.drop(node.digest)
+
+    def _evict(self, keep: _Job | None = None) -> bool:
+        """Drop the least recently used cached prefix nobody pins (not one `keep` would
+        restore); False if there is none."""
+        kept = self._match(keep).ready if keep is not None and self.prefix_cache else None
+        if not self.prefix_cache:
+            return False
+        if kept is not None:
+            self.index.pin(kept.digest)
+        gone = self.index.evict_lru(1)
+        if kept is not None:
+            self.index.unpin(kept.digest)
+        for node in gone:
+            for led, handles in zip(self.ledgers, node.payload["pages"]):
+                led.hold(handles, -1)
+            self.cache = self.snapshots.drop(self.cache, [node.payload["slot"]])
+            self._free_slots.append(node.payload["slot"])
+            self.prefix_stats["evictions"] += 1
+        return bool(gone)
 
     def _chunks(self) -> np.ndarray:
         """Tokens per row this step: 1 for decoding rows, prefill chunks (oldest first) from
@@ -252,7 +427,7 @@ class Scheduler:
         n = np.zeros(self.rows, np.int32)
         prefilling = []
         for i, r in enumerate(self._slots):
-            if r is None:
+            if r is None or not r.started:
                 continue
             left = len(r.job.context) - r.written
             if left == 1:
@@ -271,10 +446,12 @@ class Scheduler:
 
     def _take(self, i: int, take: int) -> int:
         """`take` tokens for row i, at most R decoder positions per chunk under replay."""
+        r = self._slots[i]
         if self.replay is not None:
-            r = self._slots[i]
             start = max(self._replay_from(r), r.written)
             take = min(take, max(start - r.written, 0) + self.replay)
+        if r.pending:  # end at the next prefix it publishes: its snapshot is taken there
+            take = min(take, min(r.pending) - r.written)
         return take
 
     def _replay_from(self, r: _Row) -> int:
@@ -287,10 +464,14 @@ class Scheduler:
         cannot hold the step's pages."""
         while True:
             n = self._chunks()
-            after = self._written() + n
-            short = [p for p in self.pools if p.pages(after).sum() > p.n_pages]
+            short = [led for led in self.ledgers
+                     if led.needs(self._entries(led, n)).sum() > led.free]
             if not short:
+                for led in self.ledgers:  # a row never writes a page it does not own alone
+                    led.assert_single_owner(self._entries(led, n))
                 return n
+            if self._evict():
+                continue
             live = [(r.seq, i) for i, r in enumerate(self._slots) if r is not None]
             _, victim = max(live)
             job = self._slots[victim].job
@@ -394,6 +575,10 @@ class Scheduler:
         self._sample(logits)
         generate.check_cache(cache)
         self._reset([])  # clears no row
+        if self.prefix_cache:  # the snapshot programs, over no row and no slot
+            self.cache = self.snapshots.take(self.cache, [], [], self.rows)
+            self.cache = self.snapshots.give(self.cache, [], [], self.rows)
+            self.cache = self.snapshots.drop(self.cache, [])
         return len(shapes)
 
     def _sample(self, logits) -> np.ndarray:
@@ -416,28 +601,44 @@ class Scheduler:
             job = self._slots[i].job
             tok, req = int(toks[i]), job.req
             if req.eos_id is not None and tok == req.eos_id:
-                events.append(Event(job.rid, None, Finish.STOP))
+                events.append(self._event(job, None, Finish.STOP))
                 done.append(i)
                 continue
             job.output.append(tok)
             self.generated += 1
             finish = (Finish.STOP if req.stops_after(job.output) else
                       Finish.LENGTH if len(job.output) >= req.max_new_tokens else None)
-            events.append(Event(job.rid, tok, finish))
+            events.append(self._event(job, tok, finish))
             if finish is not None:
                 done.append(i)
         if done:
             self._clear(done)
         return events
 
+    @staticmethod
+    def _event(job: _Job, token: int | None, finish: Finish | None) -> Event:
+        """An event of `job`; its first says how many prompt tokens it reused."""
+        cached = None if job.reported else (job.cached or 0)
+        job.reported = True
+        return Event(job.rid, token, finish, cached)
+
     def _clear(self, rows: list[int]) -> None:
-        """Free `rows` now: pages released and local state reset on the device."""
+        """Free `rows` now: pages released and local state reset on the device; the prefix
+        each restored is unpinned, the prefixes each had yet to publish abandoned."""
         for i in rows:
-            self._slots[i] = None
+            r, self._slots[i] = self._slots[i], None
+            if r.node is not None:
+                self.index.unpin(r.node.digest)
+            if r.awaiting is not None:
+                self._unwait(r)
+            for node in r.pending.values():
+                self._abandon(node)
         self._reset(rows)
 
     def _reset(self, rows: list[int]) -> None:
         mask = np.zeros(self.rows, bool)
         mask[rows] = True
+        for led in self.ledgers:
+            led.release(mask)
         self.cache = programs.clear_rows(self.engine.units, self.cache, jnp.asarray(mask),
                                          self._blank)
