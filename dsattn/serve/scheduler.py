@@ -231,6 +231,25 @@ class Scheduler:
     def pages_total(self) -> int:
         return sum(p.n_pages for p in self.pools)
 
+    def prefix_metrics(self) -> dict:
+        """The prefix cache's counters (docs/prefix_caching.md): prompt tokens reused at
+        first admission (`hit_tokens`) out of `prompt_tokens`, cached prefixes (`nodes`),
+        the pages they hold (any page a node holds, shared with rows or not), snapshot
+        bytes, evictions, pages copied on write and refused reuses by reason."""
+        st = self.prefix_stats
+        nodes = self.index.nodes() if self.prefix_cache else []
+        cached = sum(len({h for n in nodes if n.payload for h in n.payload["pages"][k]})
+                     for k in range(len(self.ledgers)))
+        return {"prefix_cache": self.prefix_cache,
+                "prefix_hit_tokens": st["hit_tokens"],
+                "prefix_prompt_tokens": st["prompt_tokens"],
+                "prefix_nodes": sum(n.state is prefix.State.READY for n in nodes),
+                "prefix_cached_pages": cached,
+                "prefix_snapshot_bytes": self.snapshots.bytes if self.prefix_cache else 0,
+                "prefix_evictions": st["evictions"],
+                "prefix_copies": sum(led.copies for led in self.ledgers),
+                "prefix_refused": {"replay_window": st["refused_replay_window"]}}
+
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Admit, plan, run one compiled step and sample; return its events."""
