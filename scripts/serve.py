@@ -3,13 +3,16 @@
 
     python scripts/serve.py RUN_DIR [--host 127.0.0.1] [--port 8000] [--rows 8]
         [--max-len L] [--pool-tokens N] [--token-budget N] [--max-chunk 64] [--replay R]
-        [--api-key KEY] [--max-queue 64] [--max-body-bytes N] [--step S] [KEY=VALUE ...]
+        [--no-prefix-cache] [--prefix-cache-nodes N] [--prefix-stride N] [--api-key KEY]
+        [--max-queue 64] [--max-body-bytes N] [--step S] [KEY=VALUE ...]
 
 Needs the `serve` extra (pip install -e ".[serve]"). Endpoints: POST /v1/completions
 (prompt, max_tokens, temperature, top_p, stop, stream, seed), GET /v1/models, GET /health,
-GET /metrics (queue length, active rows, open requests, free pages, tokens/s). Any OpenAI
-client works, e.g. ``openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``. With
---api-key (or DSATTN_API_KEY) every endpoint but /health needs that key. The server prints
+GET /metrics (queue length, active rows, open requests, free pages, tokens/s, prefix cache
+counters). Prompt prefixes are cached and reused across requests (docs/prefix_caching.md;
+--no-prefix-cache turns that off). Any OpenAI client works, e.g.
+``openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``. With --api-key (or
+DSATTN_API_KEY) every endpoint but /health needs that key. The server prints
 `serving on http://HOST:PORT` on stderr once it accepts requests.
 """
 
@@ -46,6 +49,16 @@ def parser():
     ap.add_argument("--replay", type=cli.positive_int, default=None,
                     help="bounded-replay prefill over the last R prompt positions (CED "
                          "configs; default: exact prefill)")
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="prefill every prompt whole: reuse no cached prompt prefix across "
+                         "requests (always off on a mesh)")
+    ap.add_argument("--prefix-cache-nodes", type=cli.positive_int, default=None,
+                    help="cached prefixes kept at once: snapshot slots, each a row of the "
+                         "decode state (default: 4 x rows, at least 8)")
+    ap.add_argument("--prefix-stride", type=cli.positive_int, default=None,
+                    help="tokens between cached prefixes, a multiple of the block size "
+                         "(default: lcm(block size, max-chunk), raised to a multiple that "
+                         "covers a V4 config's attention window)")
     ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                     help="start serving before compiling every program a step can run (the "
                          "first requests then wait for the compiles)")
@@ -78,7 +91,8 @@ def main(argv=None):
     max_len = args.max_len or cfg.model.max_seq_len
     sched = Scheduler(generate.Engine(model), args.rows, max_len, pool_tokens=args.pool_tokens,
                       token_budget=args.token_budget, max_chunk=args.max_chunk,
-                      replay=args.replay)
+                      replay=args.replay, prefix_cache=args.prefix_cache,
+                      prefix_nodes=args.prefix_cache_nodes, prefix_stride=args.prefix_stride)
     if args.warm_up:  # minutes for a big model: a line (or a bar) per program
         t0, shapes = time.perf_counter(), sched.warm_up_shapes()
         print(f"warming up: compiling the {len(shapes)} step programs a request can run (chunk "

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 from dsattn import generate, tokenizer
+from dsattn.serve import prefix
 from dsattn.serve.app import make_app
 from dsattn.serve.runner import Runner
 from dsattn.serve.scheduler import Scheduler
@@ -45,10 +46,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(engine, step=None, tok=None, max_queue=None, **app_kw):
-    """A server's URL: uvicorn in a thread over a fresh Runner. `step(original)` stands in
-    for the scheduler's step (to slow, hold or break it); app_kw go to make_app."""
-    sched = Scheduler(engine, ROWS, MAX_LEN, max_chunk=CHUNK)
+def serving(engine, step=None, tok=None, max_queue=None, sched=None, **app_kw):
+    """A server's URL: uvicorn in a thread over a fresh Runner (of `sched`, default a fresh
+    Scheduler). `step(original)` stands in for the scheduler's step (to slow, hold or break
+    it); app_kw go to make_app."""
+    sched = sched or Scheduler(engine, ROWS, MAX_LEN, max_chunk=CHUNK)
     if step is not None:
         original = sched.step
         sched.step = lambda: step(original)
@@ -429,3 +431,68 @@ def test_a_full_queue_answers_429_with_retry_after(engine):
             gate.set()
         assert [t.result().status_code for t in taken] == [200] * (ROWS + 1)
         assert post(url, body, timeout=60).status_code == 200  # room again
+
+
+# ---------------------------------------------------------------- prefix caching
+def reused(published: list, prompt: list, stride: int, block: int) -> int:
+    """Prompt tokens `prompt` can restore after requests of the `published` prompts ran: each
+    published its prefixes at every multiple of `stride` up to its length - 1 and at its last
+    block boundary; `prompt` takes the deepest it shares that ends by len(prompt) - 1 (one
+    prompt token is always prefilled, for the first draw)."""
+    ends = [e for p in published
+            for e in {*range(stride, len(p), stride), (len(p) - 1) // block * block}
+            if 0 < e <= len(prompt) - 1 and p[:e] == prompt[:e]]
+    return max(ends, default=0)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_cached_tokens_count_the_prompt_reused_and_metrics_sum_them(engine, solo, cache):
+    # prefixes published at twice the default stride: a last block boundary between them
+    sched = Scheduler(engine, ROWS, MAX_LEN, max_chunk=CHUNK, prefix_cache=cache,
+                      prefix_stride=2 * prefix.stride(engine.cfg, CHUNK))
+    stride, block = 2 * prefix.stride(engine.cfg, CHUNK), prefix.block_size(engine.cfg)
+    if cache:
+        assert (sched.stride, sched.block) == (stride, block)
+    tok = tokenizer.ByteTokenizer()
+    shared = ("the quick brown fox jumps over the lazy dog; " * 8)[:stride + block + 3]
+    first, second = shared + "alpha", shared + "omega!"
+    asks = [(first, 0.0, 0), (second, 1.0, 3), (first, 1.0, 4)]  # (prompt, temperature, seed)
+    with serving(engine, sched=sched) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120)
+        done, hits = [], 0
+        for prompt, temperature, seed in asks:  # one after the other
+            r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6,
+                                          temperature=temperature, seed=seed)
+            assert r.choices[0].text == solo(prompt, 6, temperature, seed)[0]
+            ids = tok.encode(prompt)
+            want = reused(done, ids, stride, block) if cache else 0
+            assert r.usage.prompt_tokens == len(ids)
+            assert r.usage.prompt_tokens_details.cached_tokens == want, (prompt, want)
+            done.append(ids)
+            hits += want
+        # the second reuses the first's last block boundary, past its last stride multiple
+        assert reused(done[:1], done[1], stride, block) == len(shared) // block * block
+        assert len(shared) // block * block % stride != 0
+        metrics = lambda: httpx.get(url + "/metrics", timeout=10).json()  # noqa: E731
+        deadline = time.monotonic() + 10  # refreshed once the last step's events are out
+        while (m := metrics())["prefix_hit_tokens"] != hits and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m["prefix_cache"] is cache and m["prefix_hit_tokens"] == hits, m
+        assert m["prefix_prompt_tokens"] == (sum(map(len, done)) if cache else 0), m
+        assert (m["prefix_nodes"] > 0) is cache and set(m["prefix_refused"]) == {
+            "replay_window"}, m
+        for key in ("prefix_cached_pages", "prefix_snapshot_bytes", "prefix_evictions",
+                    "prefix_copies"):
+            assert isinstance(m[key], int) and m[key] >= 0, (key, m)
+        # n choices: the prompt, and its cached tokens, are counted once (choice 0's: it
+        # found nothing cached); choice 1 reuses the prefix choice 0 computes beside it
+        third = ("pack my box with five dozen liquor jugs. " * 8)[:stride + 1]
+        r = client.completions.create(model=NAME, prompt=third, max_tokens=4,
+                                      temperature=1.0, seed=9, n=2)
+        assert [c.text for c in r.choices] == [solo(third, 4, 1.0, 9 + i)[0] for i in range(2)]
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        sibling = reused([tok.encode(third)], tok.encode(third), stride, block) if cache else 0
+        deadline = time.monotonic() + 10
+        while metrics()["prefix_hit_tokens"] != hits + sibling and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metrics()["prefix_hit_tokens"] == hits + sibling

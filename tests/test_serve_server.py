@@ -151,18 +151,20 @@ def test_health_and_metrics(server, client):
     assert m["rows"] == ROWS and m["queued"] == 0 and m["active_rows"] == 0
     assert m["pages_free"] == m["pages_total"] == 0  # MHA: a contiguous cache, no pools
     assert m["generated_tokens"] > 0 and m["tokens_per_s"] >= 0
+    assert m["prefix_cache"] is True and m["prefix_prompt_tokens"] > 0  # on by default
 
 
-def test_the_api_key_queue_and_body_limit_flags(run_dir, monkeypatch):
+def test_the_api_key_queue_body_limit_and_prefix_cache_flags(run_dir, monkeypatch):
     env = dict(os.environ, DSATTN_API_KEY="sekrit")  # the key from the environment
     with serve(run_dir, "--no-warm-up", "--max-queue", "5", "--max-body-bytes", "2000",
-               env=env) as url:
+               "--no-prefix-cache", env=env) as url:
         assert httpx.get(f"{url}/health").status_code == 200  # no key needed
         assert httpx.get(f"{url}/v1/models").status_code == 401
         key = {"authorization": "Bearer sekrit"}
         models = httpx.get(f"{url}/v1/models", headers=key).json()
         assert [m["id"] for m in models["data"]] == [run_dir.name]
-        assert httpx.get(f"{url}/metrics", headers=key).json()["max_queue"] == 5
+        m = httpx.get(f"{url}/metrics", headers=key).json()
+        assert m["max_queue"] == 5 and m["prefix_cache"] is False
         big = httpx.post(f"{url}/v1/completions", headers=key,
                          json={"prompt": "a", "user": "u" * 2000})
         assert big.status_code == 413 and "2000 bytes" in big.json()["error"]["message"]
@@ -172,5 +174,9 @@ def test_the_api_key_queue_and_body_limit_flags(run_dir, monkeypatch):
     parse = lambda *a: cli.parse(serve_script.parser(), ["run", *a])  # noqa: E731
     assert parse().api_key is None and parse("--api-key", "k").api_key == "k"
     assert parse().max_queue == 64 and parse().max_body_bytes is None
+    assert parse().prefix_cache is True and parse("--no-prefix-cache").prefix_cache is False
+    assert parse().prefix_cache_nodes is None and parse().prefix_stride is None
+    flags = parse("--prefix-cache-nodes", "12", "--prefix-stride", "32")
+    assert (flags.prefix_cache_nodes, flags.prefix_stride) == (12, 32)
     monkeypatch.setenv("DSATTN_API_KEY", "from-env")
     assert parse().api_key == "from-env" and parse("--api-key", "k").api_key == "k"

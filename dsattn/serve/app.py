@@ -8,7 +8,9 @@ The body is read up to a limit (413 past it) and parsed, checked and tokenized o
 thread, so a big request never stalls the event loop the others are answered from. A client
 that disconnects has its request cancelled (its row freed), streamed or not. A request
 without `seed` gets a fresh one, reported in the response (`seed`) so it can be redrawn.
-`n` choices are n requests, choice i seeded seed + i, all admitted or none.
+`n` choices are n requests, choice i seeded seed + i, all admitted or none. A response's
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache
+supplied (choice 0's, as the prompt is counted once); streams carry no usage.
 """
 
 from __future__ import annotations
@@ -384,6 +386,7 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
             return e.response()
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [_Text(tokenizer, stop) for _ in tickets]
+        cached = [0] * len(tickets)  # prompt tokens each choice reused from the prefix cache
         open_choices = set(range(len(tickets)))
 
         def cancel_all():
@@ -395,6 +398,8 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
             i, ev = await events.get()
             if ev is None:
                 raise down()
+            if ev.cached_tokens is not None:  # on a request's first event only
+                cached[i] = ev.cached_tokens
             text = texts[i]
             text.push(ev.token)
             if ev.finish is None and text.stopped:
@@ -443,8 +448,13 @@ def make_app(runner: Runner, tokenizer, model_name: str, on_ready=None, *,
             watch.cancel()
         body_out = chunk([(i, "".join(pieces), reasons[i]) for i, pieces in enumerate(out)])
         completion = sum(t.tokens for t in texts)
+        # The prompt is counted once (prompt_tokens, as OpenAI does for n choices), and so
+        # are its cached tokens: choice 0's, what the prompt found cached on arrival. The
+        # other choices mostly reuse the prefix choice 0 computes; summing theirs could
+        # report more cached tokens than the prompt has.
         body_out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                             "total_tokens": n_prompt + completion}
+                             "total_tokens": n_prompt + completion,
+                             "prompt_tokens_details": {"cached_tokens": cached[0]}}
         return body_out
 
     return app
