@@ -56,7 +56,14 @@ random prompt (--serve-prompt LO,HI) and output (--serve-output LO,HI) lengths a
 --serve-rate per second, served by continuous batching for mha and v4 (--presets) in the
 same cache memory (MHA's at --serve-mha-rows rows of --serve-max-len; the others get
 --serve-rows rows and the largest page pool that fits): requests/s, output tokens/s, time to
-first token and inter-token latency (median, p99), into ``serve.{json,txt}``.
+first token and inter-token latency (median, p99), into ``serve.{json,txt}``. With
+--serve-shared-prefix N every prompt begins with the same N tokens (then its own
+--serve-prompt tokens), and the results go to ``prefix.{json,txt}`` instead. --prefix-cache
+on,off runs each preset with the scheduler's prefix cache on and then off (default: on),
+one row each, reporting the hit rate, the snapshot store, evictions, the most pool pages in
+use and the pages one copy of the shared prefix plus each running request's own would
+take; --serve-prefix-nodes and --serve-prefix-stride set the cache's snapshot slots and
+stride, and --serve-charge-snapshots fits the snapshot store into the same memory.
 
 --seeds N instead trains N seeds of each named row of a sweep file as one vmapped model
 (dsattn.train.SeedGroup) and one after another: each seed's tokens/s and the whole set's
@@ -70,6 +77,7 @@ peer_hf).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -163,6 +171,17 @@ def parse_args(argv=None):
     ap.add_argument("--serve-mha-rows", type=int, default=4,
                     help="the memory: MHA's cache at this many rows")
     ap.add_argument("--serve-rows", type=int, default=16, help="rows of the other presets")
+    ap.add_argument("--serve-shared-prefix", type=cli.nonnegative_int, default=0, metavar="N",
+                    help="tokens every prompt begins with (the same), before its own")
+    ap.add_argument("--prefix-cache", type=on_off, default="on",
+                    help="prefix caching settings to run, each preset once per setting: "
+                         "on, off or on,off")
+    ap.add_argument("--serve-prefix-nodes", type=cli.positive_int, default=None,
+                    help="snapshot slots of the prefix cache (default: the scheduler's)")
+    ap.add_argument("--serve-prefix-stride", type=cli.positive_int, default=None,
+                    help="tokens between published prefixes (default: the scheduler's)")
+    ap.add_argument("--serve-charge-snapshots", action="store_true",
+                    help="the prefix cache's snapshot store counts against the memory")
     ap.add_argument("--seeds", type=int, default=0,
                     help="seeds vmapped vs one after another (with --sweep, --rows), and stop")
     ap.add_argument("--sweep", default=str(ROOT / "configs" / "ablations" / "ratios.yaml"),
@@ -170,6 +189,14 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default="full,csa_m2,hca_m8", help="--seeds: its rows")
     ap.add_argument("--seed-steps", type=int, default=100, help="--seeds: steps of each run")
     return cli.parse(ap, argv)
+
+
+def on_off(text: str) -> tuple[bool, ...]:
+    """'on', 'off', 'on,off' ... as (True,), (False,), (True, False) ..."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or any(w not in ("on", "off") for w in words) or len(set(words)) < len(words):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return tuple(w == "on" for w in words)
 
 
 def settings(args) -> suite.Settings:
@@ -235,11 +262,15 @@ def serve_measures(args) -> dict:
     load = serving.Load(requests=args.serve_requests, rate=args.serve_rate,
                         prompt=tuple(args.serve_prompt), output=tuple(args.serve_output),
                         max_len=args.serve_max_len, mha_rows=args.serve_mha_rows,
-                        rows=args.serve_rows)
+                        rows=args.serve_rows, shared_prefix=args.serve_shared_prefix,
+                        prefix_cache=args.prefix_cache, prefix_nodes=args.serve_prefix_nodes,
+                        prefix_stride=args.serve_prefix_stride,
+                        charge_snapshots=args.serve_charge_snapshots)
     presets = tuple(p for p in args.presets.split(",") if p)
     rows = serving.run(args.configs, presets, load, *args.set, log=log)
-    (Path(args.out) / "serve.json").write_text(json.dumps(rows, indent=1))
-    (Path(args.out) / "serve.txt").write_text(serving.table(rows) + "\n")
+    stem = "prefix" if load.shared_prefix else "serve"  # docs/bench/serve.* stay as they are
+    (Path(args.out) / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (Path(args.out) / f"{stem}.txt").write_text(serving.table(rows) + "\n")
     print(serving.table(rows))
     return {"serve": rows}
 

@@ -7,6 +7,7 @@ import numpy as np
 from dsattn import generate
 from dsattn.bench import serving
 from dsattn.serve.pool import with_pool
+from dsattn.serve.scheduler import Scheduler
 from tests.helpers import tiny_model
 from tests.test_serve_isolation import FAST, SMALL_PAGES
 
@@ -40,3 +41,41 @@ def test_the_load_arrives_in_order_within_its_lengths():
     assert all(3 <= len(r.prompt) <= 9 and 2 <= r.max_new_tokens <= 5 for _, r in arrivals)
     # Poisson arrivals at 10/s: the mean gap is 0.1 s (50 gaps: within 4 standard errors)
     assert abs(times[-1] / 50 - 0.1) < 4 * 0.1 / np.sqrt(50)
+
+
+def test_a_shared_prefix_is_reused_and_held_once():
+    """Two requests with a common prefix, both at once: with the prefix cache on the second
+    restores the deepest prefix the first published within what they share (points at
+    multiples of the stride and the first prompt's last block boundary, up to the second's
+    length - 1), with the same outputs and fewer pages in use than with it off."""
+    eng = generate.Engine(tiny_model("v4", SMALL_PAGES, "model.n_layers=1",
+                                     "attention.layers=csa"))
+    load = serving.Load(requests=2, prompt=(3, 6), output=(2, 4), shared_prefix=32)
+    # both submitted before the first step: the same schedule every run
+    arrivals = [(0.0, r) for _, r in serving.stream(load, eng.cfg.model.vocab_size)]
+    (_, first), (_, second) = arrivals
+    scheds = {c: Scheduler(eng, 2, MAX_LEN, max_chunk=16, prefix_cache=c) for c in (True, False)}
+    on, off = (serving.serve(scheds[c], arrivals, load.shared_prefix) for c in (True, False))
+    # what the second can restore, from the prompts alone
+    p, q = first.prompt, second.prompt
+    common = next((k for k in range(min(len(p), len(q))) if p[k] != q[k]), min(len(p), len(q)))
+    stride, block = 16, 4  # S = lcm(page 4, CSA's 4, chunk 16), >= the window 16
+    assert (scheds[True].stride, scheds[True].block) == (stride, block)
+    ends = {*range(stride, len(p), stride), (len(p) - 1) // block * block}
+    hit = max(e for e in ends if e <= min(common, len(q) - 1))
+    assert common >= 32 and hit == 32
+    assert on["prefix_hit_tokens"] == hit and on["prefix_prompt_tokens"] == len(p) + len(q)
+    assert on["prefix_hit_rate"] == hit / (len(p) + len(q))
+    assert off["prefix_hit_tokens"] == 0 and off["prefix_hit_rate"] == 0.0
+    assert on["outputs"] == off["outputs"] and sorted(on["outputs"]) == [0, 1]
+    # pages: CSA's pool holds 4 entries of 4 positions a page; the prefix's 2 once, each
+    # request's prompt + output - 1 positions past them
+    pages = lambda n: -(-(n // 4) // 4)  # noqa: E731
+    whole = 2 + sum(pages(len(r.prompt) + r.max_new_tokens - 1) - 2 for _, r in arrivals)
+    assert on["ideal_pages_load"] == off["ideal_pages_load"] == whole
+    assert 0 < on["ideal_pages"] <= whole and 0 < off["ideal_pages"] <= whole
+    assert off["ideal_pages"] <= off["peak_row_pages"] == off["peak_pages"]  # a copy a row
+    assert on["ideal_pages"] <= on["peak_row_pages"] <= on["peak_pages"] < off["peak_pages"]
+    slots = serving.default_prefix_nodes(2)  # what the run charges with charge_snapshots
+    assert on["snapshot_bytes"] == slots * serving.snapshot_slot_bytes(eng, MAX_LEN) > 0
+    assert off["snapshot_bytes"] == 0
