@@ -93,6 +93,7 @@ class PageLedger:
         self.refs: dict[int, int] = {}  # live handle -> holders (row slots and holds)
         self.overflow = False  # sticky, as the device's: an append was refused
         self.copies = 0  # pages copied on write so far
+        self.held: dict[int, int] = {}  # handle -> references `hold` took (a prefix index's)
         self._next = 0
 
     @property
@@ -178,7 +179,13 @@ class PageLedger:
                     raise AssertionError(f"page ledger: hold of handle {h}, which is free")
                 self.refs[h] += delta
             else:
+                if self.held.get(h, 0) < -delta:
+                    raise AssertionError(f"page ledger: hold of handle {h} dropped by "
+                                         f"{-delta}, but only {self.held.get(h, 0)} taken")
                 self._drop([h] * -delta)
+            self.held[h] = self.held.get(h, 0) + delta
+            if not self.held[h]:
+                del self.held[h]
 
     def share(self, row: int, handles, length: int) -> None:
         """Row `row` takes the table prefix `handles[:ceil(length / page_size)]` and length

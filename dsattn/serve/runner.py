@@ -4,9 +4,8 @@ Clients (the HTTP handlers, any thread) `submit` a request with a callback and g
 the thread admits what arrived, runs steps while anything is queued or running (sleeping
 otherwise), and calls each ticket's callback with its events, in order. A request is checked
 (`Scheduler.check`) on the caller's thread, so a bad one fails there and never reaches the
-batch. `metrics()` is a snapshot the thread refreshes after every step; the prefix cache's
-counters in it (`Scheduler.prefix_metrics`, whose cost grows with the cached prefixes' pages)
-at most every PREFIX_METRICS_S while requests run, and whenever the scheduler is idle.
+batch. `metrics()` is a snapshot the thread refreshes after every step (the prefix cache's
+counters included: `Scheduler.prefix_metrics`).
 
 At most rows + `max_queue` requests are open at once (a fuller queue refuses with Busy,
 so a client can retry elsewhere or later). If the thread dies (a bug), every open request
@@ -30,7 +29,6 @@ from dsattn.serve.request import Event, Request
 from dsattn.serve.scheduler import Scheduler
 
 RATE_WINDOW_S = 10.0  # tokens/s over this much recent time
-PREFIX_METRICS_S = 1.0  # prefix cache counters refreshed this often while requests run
 
 
 def _one_line(e: Exception) -> str:
@@ -61,7 +59,6 @@ class Runner:
         self._by_rid: dict[int, tuple[int, object]] = {}  # rid -> (ticket, callback)
         self._rid_of: dict[int, int] = {}  # ticket -> rid
         self._recent: collections.deque = collections.deque()  # (time, tokens) per step
-        self._prefix: tuple[float, dict] = (-float("inf"), {})  # (when, prefix_metrics())
         self._stop = threading.Event()
         self.error: str | None = None  # one line, set when the thread stops
         self._snapshot = self._measure()
@@ -186,9 +183,7 @@ class Runner:
             self._recent.popleft()
         span = now - self._recent[0][0] if self._recent else 0.0
         tokens = sum(n for _, n in self._recent)
-        if s.idle or now - self._prefix[0] >= PREFIX_METRICS_S:
-            self._prefix = (now, s.prefix_metrics())
         return {"queued": s.queued, "active_rows": s.active, "rows": s.rows,
                 "pages_free": s.pages_free(), "pages_total": s.pages_total,
                 "generated_tokens": s.generated, "preemptions": s.preemptions,
-                "tokens_per_s": tokens / span if span > 0 else 0.0, **self._prefix[1]}
+                "tokens_per_s": tokens / span if span > 0 else 0.0, **s.prefix_metrics()}

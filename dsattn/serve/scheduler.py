@@ -237,14 +237,12 @@ class Scheduler:
         the pages they hold (any page a node holds, shared with rows or not), snapshot
         bytes, evictions, pages copied on write and refused reuses by reason."""
         st = self.prefix_stats
-        nodes = self.index.nodes() if self.prefix_cache else []
-        cached = sum(len({h for n in nodes if n.payload for h in n.payload["pages"][k]})
-                     for k in range(len(self.ledgers)))
         return {"prefix_cache": self.prefix_cache,
                 "prefix_hit_tokens": st["hit_tokens"],
                 "prefix_prompt_tokens": st["prompt_tokens"],
-                "prefix_nodes": sum(n.state is prefix.State.READY for n in nodes),
-                "prefix_cached_pages": cached,
+                "prefix_nodes": (self.snapshots.n - len(self._free_slots)
+                                 if self.prefix_cache else 0),
+                "prefix_cached_pages": sum(len(led.held) for led in self.ledgers),
                 "prefix_snapshot_bytes": self.snapshots.bytes if self.prefix_cache else 0,
                 "prefix_evictions": st["evictions"],
                 "prefix_copies": sum(led.copies for led in self.ledgers),
@@ -314,8 +312,8 @@ class Scheduler:
             job = self._queue[0]
             hit = self._match(job).end if self.prefix_cache else 0
             if self._short((job, hit)):
-                if self._evict(keep=job):
-                    continue  # room made by dropping a cached prefix: try again
+                if self._evict(keep=job) or self._evict():
+                    continue  # room made by dropping a cached prefix (its own last): again
                 break  # first come, first served: wait for pages
             self._queue.popleft()
             admitted.append(self._slots.index(None))
@@ -392,7 +390,7 @@ class Scheduler:
         (pages by reference); their PENDING nodes become READY."""
         rows, slots, nodes = [], [], []
         for i, r in enumerate(self._slots):
-            node = r.pending.pop(r.written, None) if r is not None else None
+            node = self._published_by(r) if r is not None else None
             if node is None:
                 continue
             if not self._free_slots and not self._evict():
@@ -470,8 +468,20 @@ class Scheduler:
             start = max(self._replay_from(r), r.written)
             take = min(take, max(start - r.written, 0) + self.replay)
         if r.pending:  # end at the next prefix it publishes: its snapshot is taken there
-            take = min(take, min(r.pending) - r.written)
+            take = min(take, self._snapshot_at(r) - r.written)
         return take
+
+    @staticmethod
+    def _snapshot_at(r: _Row) -> int:
+        """Where row r takes its next snapshot: exactly at the next prefix end it publishes
+        (a ring or a compressor holds a row's state at b only between the step ending at b
+        and the next)."""
+        return min(r.pending)
+
+    @staticmethod
+    def _published_by(r: _Row) -> prefix.Node | None:
+        """The node row r publishes now (its snapshot point is where it stands), if any."""
+        return r.pending.pop(r.written, None)
 
     def _replay_from(self, r: _Row) -> int:
         """First position the decoder runs on: the last R of the original prompt (decoded
