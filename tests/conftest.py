@@ -51,6 +51,12 @@ def pytest_runtest_teardown(item, nextitem):
 # and tests below move to the full tier from here, each with the fast-tier test that keeps
 # its promise covered. A node id names one case ("...[v4]") or every case of a test.
 FULL = {
+    "tests/test_serve_bench.py::test_a_shared_prefix_is_reused_and_held_once":
+        "test_prefix_cache's fast case keeps reuse equal to serving with the cache off; "
+        "test_serve_api's cached-tokens case counts the hit",
+    "tests/test_serve_isolation.py::test_prompts_prefilling_beside_decoding_rows_equal_their_solo_outputs[v4]":
+        "[mha] stays; test_each_request_equals_its_solo_generate[v4] prefills V4 rows beside "
+        "decoding ones",
     "tests/test_hadamard.py::test_float64_forward_is_unchanged_by_the_rotation[dsa]":
         "[v4], [v41] stay",
     "tests/test_hadamard.py::test_rotated_fp4_keys_decode_equals_the_fake_quant_forward[dsa]":

@@ -33,7 +33,7 @@ from dsattn.model import Transformer
 from dsattn.serve import programs
 from dsattn.serve.pool import with_pool
 from dsattn.serve.request import Request
-from dsattn.serve.scheduler import Scheduler
+from dsattn.serve.scheduler import Scheduler, default_prefix_nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +83,6 @@ def snapshot_slot_bytes(eng: generate.Engine, max_len: int, layers_only: bool = 
     leaves = jax.tree.leaves(jax.eval_shape(lambda: shaped(1)))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize
                for x, a in zip(leaves, axes) if a is not None)
-
-
-def default_prefix_nodes(rows: int) -> int:
-    """The scheduler's snapshot slots when `prefix_nodes` is not given (Scheduler.__init__;
-    run() checks the store it made against this)."""
-    return max(8, 4 * rows)
 
 
 def fit(eng: generate.Engine, rows: int, max_len: int, budget: int,

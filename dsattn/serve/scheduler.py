@@ -52,6 +52,12 @@ from dsattn.serve.request import Event, Finish, Request
 from dsattn.serve.snapshots import Snapshots
 
 
+def default_prefix_nodes(rows: int) -> int:
+    """Snapshot slots of a scheduler of `rows` rows when not given: room for the prefixes a
+    few requests per row publish."""
+    return max(8, 4 * rows)
+
+
 @dataclasses.dataclass
 class _Job:
     """A submitted request and its output so far (kept across preemption)."""
@@ -139,7 +145,7 @@ class Scheduler:
                 "engine": id(engine), "replay": self.replay, "block": self.block,
                 "stride": self.stride})
             self.index = prefix.PrefixIndex()
-            n_nodes = prefix_nodes or max(8, 4 * rows)
+            n_nodes = prefix_nodes or default_prefix_nodes(rows)
             self.snapshots = Snapshots(engine.units, self._axes, lambda b: self._placed(
                 with_pool(cfg, engine.init_cache(b, max_len), 1)), self._blank, n_nodes)
             self._free_slots = list(range(n_nodes))
