@@ -134,15 +134,14 @@ def cuts_around_points(s: Scheduler, cfg, points=(1, 2)) -> list[int]:
 
 def check_promise(name, reference, points=(1, 2)):
     """Stem-sharing prompts cut around the publish points (cuts_around_points), arriving
-    after the whole stem's request started: each output equals `reference(engine,
-    requests)`'s."""
+    together (the whole stem's first: the others wait for its prefixes or restore them
+    later): each output equals `reference(engine, requests)`'s."""
     eng = engine(name)
     s = Scheduler(eng, ROWS, MAX_LEN, token_budget=ROWS + CHUNK, max_chunk=CHUNK)
     rng = np.random.RandomState(0)
     cuts = [STEM] + cuts_around_points(s, eng.cfg, points)  # the first: the whole stem
     reqs = stem_requests(rng, eng.cfg.model.vocab_size, cuts)
-    arrivals = np.array([0] + [2] * (len(reqs) - 1))
-    got = serve(s, reqs, arrivals, StateChecks())
+    got = serve(s, reqs, np.zeros(len(reqs), int), StateChecks())
     want = reference(eng, reqs)
     for r, g, w in zip(reqs, got, want):
         assert g == w, (name, len(r.prompt))
@@ -286,13 +285,13 @@ def test_bounded_replay_reuses_only_prefixes_before_the_replay_window():
     s = Scheduler(eng, ROWS, MAX_LEN, token_budget=ROWS + CHUNK, max_chunk=CHUNK, replay=R)
     rng = np.random.RandomState(4)
     stem = rng.randint(0, eng.cfg.model.vocab_size, STEM).tolist()
-    reqs = [Request(stem + [1, 2], 4), Request(stem[:36] + [3, 4], 4, temperature=0.8, seed=2),
-            Request(stem[:20], 4)]
-    got = serve(s, reqs, np.array([0, 6, 6]), StateChecks())
+    reqs = [Request(stem + [1, 2], 4), Request(stem + [1, 2], 4, temperature=0.8, seed=1),
+            Request(stem[:36] + [3, 4], 4, temperature=0.8, seed=2), Request(stem[:20], 4)]
+    got = serve(s, reqs, np.array([0, 0, 6, 6]), StateChecks())
     for r, g in zip(reqs, got):
         assert g == solo(eng, r, replay=R)
     m = s.prefix_metrics()
-    # the first publishes 16, 32 and 36 (<= 42 - 4); the second reuses 32 (<= 38 - 4), not
-    # 36; the third 16 (<= 16)
-    assert m["prefix_hit_tokens"] == 32 + 16
+    # the first publishes 16, 32 and 36 (<= 42 - 4), and its twin restores 36; the third
+    # reuses 32 (<= 38 - 4), not 36; the fourth 16 (<= 20 - 4)
+    assert m["prefix_hit_tokens"] == 36 + 32 + 16
     assert m["prefix_refused"]["replay_window"] == 1

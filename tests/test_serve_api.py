@@ -435,14 +435,17 @@ def test_a_full_queue_answers_429_with_retry_after(engine):
 
 # ---------------------------------------------------------------- prefix caching
 def reused(published: list, prompt: list, stride: int, block: int) -> int:
-    """Prompt tokens `prompt` can restore after requests of the `published` prompts ran: each
-    published its prefixes at every multiple of `stride` up to its length - 1 and at its last
-    block boundary; `prompt` takes the deepest it shares that ends by len(prompt) - 1 (one
-    prompt token is always prefilled, for the first draw)."""
-    ends = [e for p in published
-            for e in {*range(stride, len(p), stride), (len(p) - 1) // block * block}
-            if 0 < e <= len(prompt) - 1 and p[:e] == prompt[:e]]
-    return max(ends, default=0)
+    """Prompt tokens `prompt` can restore after requests of the `published` prompts ran one
+    after the other. A request's points are every multiple of `stride` up to its length - 1
+    and its last block boundary; it publishes those an earlier request's points had too
+    (a prefix seen once is not kept); `prompt` takes the deepest published one it shares
+    that ends by len(prompt) - 1 (one prompt token is always prefilled, for the first
+    draw)."""
+    points = lambda p: {*range(stride, len(p), stride), (len(p) - 1) // block * block} - {0}  # noqa: E731,E501
+    kept = [(e, p) for j, p in enumerate(published) for e in points(p)
+            if any(e in points(q) and q[:e] == p[:e] for q in published[:j])]
+    return max((e for e, p in kept if e <= len(prompt) - 1 and p[:e] == prompt[:e]),
+               default=0)
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -470,8 +473,9 @@ def test_cached_tokens_count_the_prompt_reused_and_metrics_sum_them(engine, solo
             assert r.usage.prompt_tokens_details.cached_tokens == want, (prompt, want)
             done.append(ids)
             hits += want
-        # the second reuses the first's last block boundary, past its last stride multiple
-        assert reused(done[:1], done[1], stride, block) == len(shared) // block * block
+        # the third reuses the last block boundary the second published (the first had that
+        # prefix too), past its last stride multiple
+        assert reused(done[:2], done[2], stride, block) == len(shared) // block * block
         assert len(shared) // block * block % stride != 0
         metrics = lambda: httpx.get(url + "/metrics", timeout=10).json()  # noqa: E731
         deadline = time.monotonic() + 10  # refreshed once the last step's events are out
@@ -491,7 +495,8 @@ def test_cached_tokens_count_the_prompt_reused_and_metrics_sum_them(engine, solo
                                       temperature=1.0, seed=9, n=2)
         assert [c.text for c in r.choices] == [solo(third, 4, 1.0, 9 + i)[0] for i in range(2)]
         assert r.usage.prompt_tokens_details.cached_tokens == 0
-        sibling = reused([tok.encode(third)], tok.encode(third), stride, block) if cache else 0
+        # the choices are two requests of one prompt: choice 0 publishes what choice 1 takes
+        sibling = reused([tok.encode(third)] * 2, tok.encode(third), stride, block) if cache else 0
         deadline = time.monotonic() + 10
         while metrics()["prefix_hit_tokens"] != hits + sibling and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -52,6 +52,9 @@ from dsattn.serve.request import Event, Finish, Request
 from dsattn.serve.snapshots import Snapshots
 
 
+SEEN = 1 << 16  # prefixes whose requests are counted (the least recently seen forgotten)
+
+
 def default_prefix_nodes(rows: int) -> int:
     """Snapshot slots of a scheduler of `rows` rows when not given: room for the prefixes a
     few requests per row publish."""
@@ -66,6 +69,7 @@ class _Job:
     req: Request
     output: list[int] = dataclasses.field(default_factory=list)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's blocks
+    points: list[int] = dataclasses.field(default_factory=list)  # where it may publish
     cached: int | None = None  # prompt tokens reused at its first start (None: not started)
     reported: bool = False  # its first event went out (it carries `cached`)
 
@@ -147,8 +151,9 @@ class Scheduler:
             self.index = prefix.PrefixIndex()
             n_nodes = prefix_nodes or default_prefix_nodes(rows)
             self.snapshots = Snapshots(engine.units, self._axes, lambda b: self._placed(
-                with_pool(cfg, engine.init_cache(b, max_len), 1)), self._blank, n_nodes)
+                with_pool(cfg, engine.init_cache(b, max_len), 1)), n_nodes)
             self._free_slots = list(range(n_nodes))
+            self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     def _empty(self):
         """An empty decode state of the scheduler's rows, max_len and pools."""
@@ -189,6 +194,12 @@ class Scheduler:
         job = _Job(next(self._ids), req)
         if self.prefix_cache:
             job.digests = prefix.block_digests(self._fingerprint, req.prompt, self.block)
+            job.points = self._points(job)
+            for b in job.points:  # how many requests' prompts had each prefix
+                digest = job.digests[b // self.block - 1]
+                self._seen[digest] = self._seen.pop(digest, 0) + 1
+            while len(self._seen) > SEEN:
+                self._seen.popitem(last=False)
         if req.max_new_tokens == 0:
             self._pending.append(self._event(job, None, Finish.LENGTH))
         else:
@@ -374,10 +385,7 @@ class Scheduler:
                         r.job.req.prompt, r.job.digests, len(r.job.req.prompt)).end > r.written:
                     # a longer cached prefix reaches into its replay window: not exact there
                     self.prefix_stats["refused_replay_window"] += 1
-            for b in self._points(r.job):
-                digest = r.job.digests[b // self.block - 1]
-                if b > r.written and digest not in self.index:
-                    r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
+            self._register(r)  # before the next row looks: it may wait for these
         if restore:
             rows = [self._slots[i] for i in restore]
             self.cache = self.snapshots.give(self.cache, restore,
@@ -385,6 +393,21 @@ class Scheduler:
             for i, r in zip(restore, rows):
                 for led, handles in zip(self.ledgers, r.node.payload["pages"]):
                     led.share(i, handles, r.written // led.layer.stride)
+        for r in self._slots:  # a prefix a newer request shares, ahead of an older row
+            if self.prefix_cache and r is not None and r.started:
+                self._register(r)
+
+    def _register(self, r: _Row) -> None:
+        """Register the points ahead of row r that it will publish (PENDING nodes others may
+        wait for): those no node covers yet whose prefix another request's prompt has too.
+        A prefix seen once is not kept (its snapshot would cost a copy, a slot and an
+        eviction for nothing); re-checked every step, so a row publishes the points still
+        ahead of it once a second request with its prefix arrives."""
+        for b in r.job.points:
+            digest = r.job.digests[b // self.block - 1]
+            if (b > r.written and b not in r.pending and digest not in self.index
+                    and self._seen.get(digest, 0) > 1):
+                r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
 
     def _unwait(self, r: _Row) -> None:
         if r.awaiting is not None:

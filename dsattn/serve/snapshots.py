@@ -57,11 +57,19 @@ def _give(units, axes, state, store, rows, slots):
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _drop(units, axes, state, store, slots, blank):
-    """(state, store): the slots where `slots` [n] is True emptied, their pages released (a
-    view of the store's rows over the state's pools, cleared as rows are)."""
+def _drop(units, axes, state, store, slots):
+    """(state, store): the slots where `slots` [n] is True give their pages back (a view of
+    the store's rows over the state's pools, whose pooled containers release those rows).
+    Nothing else of a slot is cleared: it is read only after a publish overwrote it whole,
+    and blanking a row of every leaf costs a pass over the whole store (MHA's: a whole
+    contiguous cache per slot)."""
     leaves, shared, tree = programs.split(state, axes)
-    view = programs.clear_rows(units, programs.join(tree, axes, store, shared), slots, blank)
+    view = programs.join(tree, axes, store, shared)
+    release = lambda c: (c.cleared(slots, None)  # noqa: E731
+                         if is_container(c) and c.page_pool() is not None else c)
+    layers = [jax.tree.map(release, lc, is_leaf=is_container)
+              for lc in scan.per_layer(units, view.layers)]
+    view = view.replace(layers=tuple(scan.per_unit(units, layers)))
     store, shared, _ = programs.split(view, axes)
     return programs.join(tree, axes, leaves, shared), store
 
@@ -72,13 +80,12 @@ def _n_rows(leaves, row_axes) -> int:
 
 class Snapshots:
     """`n` snapshot slots of a decode state's rows. `axes`: programs.row_axes of the state;
-    `empty(b)`: an empty decode state of b rows (any pools: only its rows are kept);
-    `blank`: an empty state of one row, as programs.clear_rows takes."""
+    `empty(b)`: an empty decode state of b rows (any pools: only its rows are kept)."""
 
-    def __init__(self, units, axes, empty, blank, n: int):
+    def __init__(self, units, axes, empty, n: int):
         if n < 1:
             raise ValueError(f"snapshots: need at least one slot, got {n}")
-        self.units, self.axes, self.n, self._blank = units, axes, n, blank
+        self.units, self.axes, self.n = units, axes, n
         self.store, _, _ = programs.split(empty(n), axes)
         self.bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in self.store)
 
@@ -101,6 +108,5 @@ class Snapshots:
         """`state` after slots `slots` were emptied (their page references released)."""
         mask = np.zeros(self.n, bool)
         mask[list(slots)] = True
-        state, self.store = _drop(self.units, self.axes, state, self.store, jnp.asarray(mask),
-                                  self._blank)
+        state, self.store = _drop(self.units, self.axes, state, self.store, jnp.asarray(mask))
         return state
