@@ -35,6 +35,7 @@ and its sampling key depends on its seed and step alone.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -403,9 +404,10 @@ class Scheduler:
         A prefix seen once is not kept (its snapshot would cost a copy, a slot and an
         eviction for nothing); re-checked every step, so a row publishes the points still
         ahead of it once a second request with its prefix arrives."""
-        for b in r.job.points:
+        points = r.job.points  # ascending: a decoding row has none ahead
+        for b in points[bisect.bisect_right(points, r.written):]:
             digest = r.job.digests[b // self.block - 1]
-            if (b > r.written and b not in r.pending and digest not in self.index
+            if (b not in r.pending and digest not in self.index
                     and self._seen.get(digest, 0) > 1):
                 r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
 
