@@ -51,6 +51,9 @@ def pytest_runtest_teardown(item, nextitem):
 # and tests below move to the full tier from here, each with the fast-tier test that keeps
 # its promise covered. A node id names one case ("...[v4]") or every case of a test.
 FULL = {
+    "tests/test_prefix_cache.py::test_shared_prefixes_cut_anywhere_equal_their_outputs_with_the_cache_off":
+        "test_serve_api's cached-tokens case reuses prefixes (greedy and sampled, MHA) and "
+        "equals solo generate",
     "tests/test_serve_bench.py::test_a_shared_prefix_is_reused_and_held_once":
         "test_prefix_cache's fast case keeps reuse equal to serving with the cache off; "
         "test_serve_api's cached-tokens case counts the hit",
