@@ -5,10 +5,16 @@ float32 say so. Shared helpers live in tests/helpers.py."""
 import os
 import re
 
-# The tests check numbers, not speed: LLVM at -O0 compiles XLA:CPU programs ~30% faster,
-# and compiling is most of this suite's time. (Scripts the tests start inherit it.)
+# The tests check numbers, not speed, and compiling is most of this suite's time (in the fast
+# tier 454 of 899 s of tests' wall time, 4,613 XLA:CPU compiles; jax.monitoring's durations).
+# So: LLVM at -O0 (~30% faster compiles); XLA:CPU's older elemental emitters, not its MLIR
+# fusion emitters, and one LLVM module per program, not split for threads that two workers on
+# two cores cannot use (the fast tier 486 s -> 336 s, user CPU 14m39s -> 9m59s; the emitters
+# alone 366 s); both tiers pass under them. (Scripts the tests start inherit them.)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
-                                   "--xla_backend_optimization_level=0")
+                                   "--xla_backend_optimization_level=0 "
+                                   "--xla_cpu_use_fusion_emitters=false "
+                                   "--xla_cpu_parallel_codegen_split_count=1")
 # No persistent compilation cache: on a fresh clone it saved nothing measurable (the fast
 # tier took 9:30 without it, 10:00 with it), and a CI run with it lost an xdist worker to a
 # crash no rerun reproduced; loading XLA:CPU executables from disk is where jax's issues
