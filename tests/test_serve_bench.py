@@ -7,6 +7,7 @@ import numpy as np
 from dsattn import generate
 from dsattn.bench import serving
 from dsattn.serve.pool import with_pool
+from dsattn.serve.request import Request
 from dsattn.serve.scheduler import Scheduler
 from tests.helpers import tiny_model
 from tests.test_serve_isolation import FAST, SMALL_PAGES
@@ -41,6 +42,21 @@ def test_the_load_arrives_in_order_within_its_lengths():
     assert all(3 <= len(r.prompt) <= 9 and 2 <= r.max_new_tokens <= 5 for _, r in arrivals)
     # Poisson arrivals at 10/s: the mean gap is 0.1 s (50 gaps: within 4 standard errors)
     assert abs(times[-1] / 50 - 0.1) < 4 * 0.1 / np.sqrt(50)
+
+
+def test_the_fcfs_floor_queues_requests_by_hand():
+    """Rows free up in arrival order; a request's first token comes when it takes a row, its
+    row then decodes its other max_new_tokens - 1 steps."""
+    req = lambda n: Request((1,), n)  # noqa: E731
+    # one row, three requests at 0 s of 3 tokens (2 steps of 0.5 s): first tokens at 0, 1, 2
+    assert serving.fcfs_floor([(0.0, req(3))] * 3, rows=1, step_s=0.5) == {
+        "floor_ttft_median_s": 1.0, "floor_wall_s": 3.0}
+    # two rows: 0 s (5 tokens: busy to 4 s), 0 s (2: to 1 s), 0.5 s (3: takes the second row
+    # at 1 s, to 3 s), 6 s (1 token: no step, a free row at once; the wall ends at 6 s)
+    got = serving.fcfs_floor([(0.0, req(5)), (0.0, req(2)), (0.5, req(3)), (6.0, req(1))],
+                             rows=2, step_s=1.0)
+    assert got == {"floor_ttft_median_s": float(np.median([0, 0, 0.5, 0])),
+                   "floor_wall_s": 6.0}
 
 
 def test_a_shared_prefix_is_reused_and_held_once():
@@ -79,3 +95,9 @@ def test_a_shared_prefix_is_reused_and_held_once():
     slots = serving.default_prefix_nodes(2)  # what the run charges with charge_snapshots
     assert on["snapshot_bytes"] == slots * serving.snapshot_slot_bytes(eng, MAX_LEN) > 0
     assert off["snapshot_bytes"] == 0
+    # the load's floor (prefill free, each step the fastest of one row alone) is below both
+    step = serving.decode_step_s(Scheduler(eng, 2, MAX_LEN, max_chunk=16), 16,
+                                 eng.cfg.model.vocab_size)
+    floor = serving.fcfs_floor(arrivals, 2, step)
+    assert 0 < step and 0 < floor["floor_wall_s"] < min(on["wall_s"], off["wall_s"])
+    assert floor["floor_ttft_median_s"] == 0.0  # two rows, two requests: nobody waits

@@ -8,7 +8,10 @@ With `Load.shared_prefix` every prompt begins with the same tokens (a system pro
 and each preset runs once per `Load.prefix_cache` setting (the scheduler's prefix cache on
 and off, docs/prefix_caching.md): the rows also report the prefix hit rate, the snapshot
 store's bytes, evictions, the most pool pages in use at once and the pages an ideal cache
-would need (`ideal_pages`), and whether the outputs equal the first setting's.
+would need (`ideal_pages`), and whether the outputs equal the first setting's, and the
+load's floor under first-come-first-served scheduling (`fcfs_floor`): the least TTFT median
+and wall any such scheduler with those rows could reach if prefill took no time, which
+bounds what any prefix cache could gain on the load.
 
 The memory is MHA's cache for `mha_rows` rows of `max_len` positions; every other preset
 gets `rows` rows (its window rings and such are per row) and the largest page pool that
@@ -19,6 +22,7 @@ preset and setting and the second pass is reported: the first compiles the progr
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 
 import jax
@@ -203,6 +207,40 @@ def serve(sched: Scheduler, arrivals, shared_prefix: int = 0) -> dict:
             "outputs": outputs}
 
 
+def fcfs_floor(arrivals, rows: int, step_s: float) -> dict:
+    """The least TTFT median and wall (seconds) that any first-come-first-served scheduler
+    with `rows` rows could reach on `arrivals` if prefill took no time and every decode step
+    took `step_s`: a request takes the first row free once it has arrived, its first token
+    comes at once (from the prefill), and its row then decodes the other max_new_tokens - 1
+    (the load's requests have no eos or stop, so each runs to max_new_tokens). A prefix
+    cache saves prefill only, so what it can gain is at most (cache off) / floor."""
+    free, waits = [0.0] * rows, []
+    for at, req in arrivals:
+        start = max(at, heapq.heappop(free))
+        heapq.heappush(free, start + max(req.max_new_tokens - 1, 0) * step_s)
+        waits.append(start - at)
+    return {"floor_ttft_median_s": float(np.percentile(waits, 50)),
+            "floor_wall_s": max(max(free), arrivals[-1][0])}
+
+
+def decode_step_s(sched: Scheduler, prompt_len: int, vocab: int, steps: int = 32) -> float:
+    """The fastest of `steps` decode steps of one request decoding alone in `sched` (a fresh
+    scheduler, warmed up) at `prompt_len` positions: a step running more rows does at least
+    this work, so it is the floor's step time."""
+    prompt = np.random.RandomState(1).randint(0, vocab, prompt_len)
+    sched.submit(Request(prompt, steps + 2))
+    while not any(ev.token is not None for ev in sched.step()):
+        pass  # prefill until the first token
+    fastest = float("inf")
+    for _ in range(steps):
+        t = time.perf_counter()
+        sched.step()
+        fastest = min(fastest, time.perf_counter() - t)
+    while not sched.idle:
+        sched.step()
+    return fastest
+
+
 def prefix_measures(m: dict) -> dict:
     """The scheduler's prefix_metrics for a bench row, with the hit rate: prompt tokens
     reused at first admission out of all prompt tokens (0 with the cache off)."""
@@ -252,6 +290,10 @@ def run(config_dir, presets=("mha", "v4"), load: Load = Load(), *overrides, log=
                 with compilations() as compiled:
                     measured = serve(sched, arrivals, load.shared_prefix)
             outputs = measured.pop("outputs")
+            if load.shared_prefix:
+                step = decode_step_s(make(), load.shared_prefix + load.prompt[0],
+                                     eng.cfg.model.vocab_size)
+                measured.update(decode_step_s=step, **fcfs_floor(arrivals, rows, step))
             if store and measured["snapshot_bytes"] != nodes(rows) * slot:
                 raise AssertionError(  # what fit charged is not what the scheduler made
                     f"serve {name}: snapshot store {measured['snapshot_bytes']} bytes, "
@@ -275,11 +317,13 @@ def table(rows) -> str:
     preemptions, prefix hit rate (%), evictions, and the most pool pages: in use (`pages`,
     cached prefixes' included), held by running rows (`held`), ideal (`ideal_pages_now`:
     the shared prefix once plus each running row's own), pages / ideal and held / ideal
-    (- for a preset without page pools)."""
+    (- for a preset without page pools), and the load's FCFS floor: TTFT p50 and wall
+    (seconds; - where not measured)."""
     lines = [f"{'preset':<7} {'cache':>5} {'rows':>4} {'cache MB':>8} {'snap MB':>7} "
              f"{'peak':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>8} {'p99':>7} "
              f"{'ITL p50':>8} {'p99':>7} {'preempt':>7} {'hit %':>5} {'evict':>5} "
-             f"{'pages':>6} {'held':>6} {'ideal':>6} {'x':>5} {'x held':>6}"]
+             f"{'pages':>6} {'held':>6} {'ideal':>6} {'x':>5} {'x held':>6} "
+             f"{'wall':>6} {'floor p50':>9} {'wall':>6}"]
     for r in rows:
         if r.get("pages_total", 0) > 0:
             ideal = r["ideal_pages"] or float("nan")
@@ -294,5 +338,7 @@ def table(rows) -> str:
                      f"{r['output_tokens_per_s']:>7.1f} {r['ttft_median_s']:>8.3f} "
                      f"{r['ttft_p99_s']:>7.3f} {r['itl_median_s']:>8.4f} {r['itl_p99_s']:>7.4f} "
                      f"{r['preemptions']:>7} {100 * r.get('prefix_hit_rate', 0.0):>5.1f} "
-                     f"{r.get('prefix_evictions', 0):>5} {pages}")
+                     f"{r.get('prefix_evictions', 0):>5} {pages} {r['wall_s']:>6.2f} "
+                     + (f"{r['floor_ttft_median_s']:>9.3f} {r['floor_wall_s']:>6.2f}"
+                        if "floor_wall_s" in r else f"{'-':>9} {'-':>6}"))
     return "\n".join(lines)

@@ -451,9 +451,9 @@ class Scheduler:
     def _evict(self, keep: _Job | None = None) -> bool:
         """Drop the least recently used cached prefix nobody pins (not one `keep` would
         restore); False if there is none."""
-        kept = self._match(keep).ready if keep is not None and self.prefix_cache else None
         if not self.prefix_cache:
             return False
+        kept = self._match(keep).ready if keep is not None else None
         if kept is not None:
             self.index.pin(kept.digest)
         gone = self.index.evict_lru(1)
