@@ -62,7 +62,9 @@ first token and inter-token latency (median, p99), into ``serve.{json,txt}``. Wi
 on,off runs each preset with the scheduler's prefix cache on and then off (default: on),
 one row each, reporting the hit rate, the snapshot store, evictions, the most pool pages in
 use and the pages one copy of the shared prefix plus each running request's own would
-take; --serve-prefix-nodes and --serve-prefix-stride set the cache's snapshot slots and
+take, and the load's floor (the least TTFT p50 and wall a first-come-first-served scheduler
+could reach with free prefill, which bounds what any prefix cache can gain);
+--serve-prefix-nodes and --serve-prefix-stride set the cache's snapshot slots and
 stride, and --serve-charge-snapshots fits the snapshot store into the same memory.
 
 --seeds N instead trains N seeds of each named row of a sweep file as one vmapped model
