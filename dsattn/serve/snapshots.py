@@ -25,12 +25,17 @@ from dsattn.cache.protocol import is_container
 from dsattn.serve import programs
 
 
+def _each_container(units, state, fn):
+    """`state` with `fn` applied to every cache container of every layer."""
+    layers = scan.per_layer(units, state.layers)
+    new = [jax.tree.map(lambda c: fn(c) if is_container(c) else c, lc, is_leaf=is_container)
+           for lc in layers]
+    return state.replace(layers=tuple(scan.per_unit(units, new)))
+
+
 def _retain(units, state, rows):
     """`state` with one more holder of every page the rows where `rows` [B] is True hold."""
-    layers = scan.per_layer(units, state.layers)
-    new = [jax.tree.map(lambda c: c.retained(rows) if is_container(c) else c, lc,
-                        is_leaf=is_container) for lc in layers]
-    return state.replace(layers=tuple(scan.per_unit(units, new)))
+    return _each_container(units, state, lambda c: c.retained(rows))
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
@@ -64,12 +69,8 @@ def _drop(units, axes, state, store, slots):
     and blanking a row of every leaf costs a pass over the whole store (MHA's: a whole
     contiguous cache per slot)."""
     leaves, shared, tree = programs.split(state, axes)
-    view = programs.join(tree, axes, store, shared)
-    release = lambda c: (c.cleared(slots, None)  # noqa: E731
-                         if is_container(c) and c.page_pool() is not None else c)
-    layers = [jax.tree.map(release, lc, is_leaf=is_container)
-              for lc in scan.per_layer(units, view.layers)]
-    view = view.replace(layers=tuple(scan.per_unit(units, layers)))
+    view = _each_container(units, programs.join(tree, axes, store, shared), lambda c: (
+        c.cleared(slots, None) if c.page_pool() is not None else c))
     store, shared, _ = programs.split(view, axes)
     return programs.join(tree, axes, leaves, shared), store
 
