@@ -5,7 +5,7 @@ float32 say so. Shared helpers live in tests/helpers.py."""
 import os
 import re
 
-# The tests check numbers, not speed, and compiling is most of this suite's time (in the fast
+# The tests check numbers, not speed, and compiling is half of this suite's time (in the fast
 # tier 454 of 899 s of tests' wall time, 4,613 XLA:CPU compiles; jax.monitoring's durations).
 # So: LLVM at -O0 (~30% faster compiles); XLA:CPU's older elemental emitters, not its MLIR
 # fusion emitters, and one LLVM module per program, not split for threads that two workers on
