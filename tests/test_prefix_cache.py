@@ -274,6 +274,22 @@ def test_siblings_of_one_prompt_prefill_it_once():
     assert s.prefix_metrics()["prefix_hit_tokens"] == 2 * last
 
 
+def test_a_row_keeps_only_the_prefixes_where_prompts_branch():
+    """Prompts of one stem arriving together: the first row keeps the deepest point they
+    share and the point where a shorter one stops, not every stride point on the way
+    (MHA: each kept prefix is a whole-row copy); each output equals its solo output."""
+    eng = engine("mha")
+    s = Scheduler(eng, ROWS, MAX_LEN, token_budget=ROWS + CHUNK, max_chunk=CHUNK)
+    stem = np.random.RandomState(5).randint(0, eng.cfg.model.vocab_size, STEM).tolist()
+    reqs = [Request(stem + [1, 2], 3), Request(stem + [3, 4], 3), Request(stem[:20] + [9], 3)]
+    got = serve(s, reqs, np.zeros(3, int))
+    assert got == each_solo(eng, reqs)
+    assert (s.block, s.stride) == (4, 16)  # points 16, 32 and 40 on the stem; 16 and 20
+    m = s.prefix_metrics()
+    assert m["prefix_nodes"] == 2  # 40 (the first two share it) and 16 (the third's)
+    assert m["prefix_hit_tokens"] == 40 + 16
+
+
 @pytest.mark.full
 def test_bounded_replay_reuses_only_prefixes_before_the_replay_window():
     """V4.1 under bounded replay R: a prefix is published and reused only up to a prompt's
@@ -287,11 +303,12 @@ def test_bounded_replay_reuses_only_prefixes_before_the_replay_window():
     stem = rng.randint(0, eng.cfg.model.vocab_size, STEM).tolist()
     reqs = [Request(stem + [1, 2], 4), Request(stem + [1, 2], 4, temperature=0.8, seed=1),
             Request(stem[:36] + [3, 4], 4, temperature=0.8, seed=2), Request(stem[:20], 4)]
-    got = serve(s, reqs, np.array([0, 0, 6, 6]), StateChecks())
+    got = serve(s, reqs, np.array([0, 0, 6, 0]), StateChecks())
     for r, g in zip(reqs, got):
         assert g == solo(eng, r, replay=R)
     m = s.prefix_metrics()
-    # the first publishes 16, 32 and 36 (<= 42 - 4), and its twin restores 36; the third
-    # reuses 32 (<= 38 - 4), not 36; the fourth 16 (<= 20 - 4)
-    assert m["prefix_hit_tokens"] == 36 + 32 + 16
+    # the first publishes 36 (<= 42 - 4) and 16, where the fourth's prompt stops (<= 20 - 4),
+    # not 32 (every prompt then known continues past it); its twin restores 36, the fourth
+    # 16; the third, arriving later, 16 (32 was not kept), not 36 (> 38 - 4)
+    assert m["prefix_hit_tokens"] == 36 + 16 + 16
     assert m["prefix_refused"]["replay_window"] == 1

@@ -85,6 +85,29 @@ def join(tree, axes, rows, shared):
     return jax.tree.unflatten(tree, [next(shared) if a is None else next(rows) for a in axes])
 
 
+@partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=5)
+def extend_rows(graph, axes, state, tokens, n_new, cache, idx, replay=None, replay_from=None):
+    """(logits [p, V], cache): generate.prefill_program over rows `idx` [p] of `cache` alone
+    (tokens [p, T], n_new [p]: the sub-batch's), in one program: the rows taken out (an
+    index past the batch: a stand-in taking 0 tokens), extended over the pools every row
+    shares, and put back. `axes`: row_axes of the cache."""
+    row_axes = tuple(a for a in axes if a is not None)
+    rows, shared, tree = split(cache, axes)
+    sub = join(tree, axes, take_rows(row_axes, rows, idx), shared)
+    logits, sub = generate._extend_impl(graph, state, tokens, n_new, sub, replay, replay_from)
+    sub_rows, shared, _ = split(sub, axes)
+    return logits, join(tree, axes, put_rows(row_axes, rows, idx, sub_rows), shared)
+
+
+@partial(jax.jit, static_argnums=3)
+def merge_rows(logits, idx, sub, rows: int):
+    """Logits [rows, V] with rows `idx` [p] taken from `sub` [p, V] (indices past the batch
+    dropped); `logits` None: zeros elsewhere (a step whose rows all ran in the sub-batch)."""
+    if logits is None:
+        logits = jnp.zeros((rows, sub.shape[-1]), sub.dtype)
+    return logits.at[idx].set(sub, mode="drop")
+
+
 @partial(jax.jit, static_argnums=0)
 def take_rows(axes: tuple[int, ...], leaves, idx):
     """Rows `idx` [p] of every row leaf (an index past the batch takes the last row: a

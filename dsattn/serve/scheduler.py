@@ -15,10 +15,10 @@ Each `step()` the host decides and the device computes:
    the request requeued first with its output so far, which is recomputed as prompt later);
 3. run the step (generate.prefill_program): the rows taking one token over the whole batch
    at width 1, the prefilling rows as a sub-batch of their own (a power of two of rows taken
-   out of the decode state and put back: programs.take_rows/put_rows) at the bucketed width
-   of the longest chunk, so a chunk's width is paid by the rows that prefill, not by every
-   row (one [rows, width] program when the sub-batch would be the whole batch, or on a
-   mesh); then sample every row with its own temperature, top-p and key on the device
+   out of the decode state, extended and put back in one program: programs.extend_rows) at
+   the bucketed width of the longest chunk, so a chunk's width is paid by the rows that
+   prefill, not by every row (one [rows, width] program when the sub-batch would be the
+   whole batch, or on a mesh); then sample every row with its own temperature, top-p and key on the device
    (programs.sample_rows);
 4. record each sampling row's token, retire the rows that hit their eos token, a stop
    sequence or max_new_tokens, and clear them at once (programs.clear_rows: pages released,
@@ -78,6 +78,17 @@ class _Job:
     def context(self) -> list[int]:
         """What its row's cache must hold before its next token is drawn."""
         return list(self.req.prompt) + self.output
+
+    @property
+    def context_len(self) -> int:
+        """len(context), without building it (asked for every row every step)."""
+        return len(self.req.prompt) + len(self.output)
+
+    def context_span(self, start: int, stop: int) -> list[int]:
+        """context[start:stop], without building the whole context."""
+        n = len(self.req.prompt)
+        return (list(self.req.prompt[start:stop])
+                + self.output[max(start - n, 0): max(stop - n, 0)])
 
 
 @dataclasses.dataclass
@@ -234,6 +245,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._queue and not self.active and not self._pending
 
+    def running_ids(self) -> list[int]:
+        """Ids of the requests holding rows now (running or waiting there for a prefix)."""
+        return [r.job.rid for r in self._slots if r is not None]
+
     def free_rows(self) -> list[int]:
         """Rows holding no request (their cache rows are the next owners' to clear)."""
         return [i for i, r in enumerate(self._slots) if r is None]
@@ -283,7 +298,7 @@ class Scheduler:
                 r.written += int(n_new[i])
         self._publish()
         drawing = [i for i, r in enumerate(self._slots)
-                   if r is not None and n_new[i] and r.written == len(r.job.context)]
+                   if r is not None and n_new[i] and r.written == r.job.context_len]
         if drawing:
             events += self._draw(logits, drawing)
         return events
@@ -316,7 +331,7 @@ class Scheduler:
                     for i, r in enumerate(self._slots) if r is not None]
             rows += [(extra[0], extra[1], None)] if extra is not None else []
             for job, have, i in rows:
-                e0, e1 = have // s, len(job.context) // s
+                e0, e1 = have // s, job.context_len // s
                 held = len(led.tables[i]) if i is not None else -(-e0 // ps)
                 copy = e1 > e0 and e0 % ps != 0 and (i is None or led.shared(i)[-1])
                 need += max(-(-e1 // ps) - held, 0) + copy
@@ -358,6 +373,9 @@ class Scheduler:
         """Start the rows waiting to: each restores the deepest cached prefix of its prompt,
         or waits while a deeper one is being computed by another row, or begins from
         nothing; then registers the prefixes it will publish."""
+        for r in self._slots:  # first the running rows' points another prompt now shares:
+            if self.prefix_cache and r is not None and r.started:  # a newcomer waits for
+                self._register(r)  # those rather than computing the same prefix beside
         restore = []
         for i, r in enumerate(self._slots):
             if r is None or r.started:
@@ -394,21 +412,22 @@ class Scheduler:
             for i, r in zip(restore, rows):
                 for led, handles in zip(self.ledgers, r.node.payload["pages"]):
                     led.share(i, handles, r.written // led.layer.stride)
-        for r in self._slots:  # a prefix a newer request shares, ahead of an older row
-            if self.prefix_cache and r is not None and r.started:
-                self._register(r)
 
     def _register(self, r: _Row) -> None:
         """Register the points ahead of row r that it will publish (PENDING nodes others may
-        wait for): those no node covers yet whose prefix another request's prompt has too.
-        A prefix seen once is not kept (its snapshot would cost a copy, a slot and an
-        eviction for nothing); re-checked every step, so a row publishes the points still
-        ahead of it once a second request with its prefix arrives."""
+        wait for): those no node covers yet where another request's prompt branches off
+        (some prompt has the prefix but not the row's next point's: a deeper node serves
+        every other). A prefix seen once is not kept, nor one every prompt that has it
+        continues past (its snapshot would cost a copy, a slot and an eviction for
+        nothing: a whole row for MHA); re-checked every step, so a row publishes the
+        points still ahead of it once another request with its prefix arrives."""
         points = r.job.points  # ascending: a decoding row has none ahead
-        for b in points[bisect.bisect_right(points, r.written):]:
+        ahead = points[bisect.bisect_right(points, r.written):]
+        seen = [self._seen.get(r.job.digests[b // self.block - 1], 0) for b in ahead] + [0]
+        for k, b in enumerate(ahead):
             digest = r.job.digests[b // self.block - 1]
             if (b not in r.pending and digest not in self.index
-                    and self._seen.get(digest, 0) > 1):
+                    and seen[k] > max(1, seen[k + 1])):
                 r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
 
     def _unwait(self, r: _Row) -> None:
@@ -477,7 +496,7 @@ class Scheduler:
         for i, r in enumerate(self._slots):
             if r is None or not r.started:
                 continue
-            left = len(r.job.context) - r.written
+            left = r.job.context_len - r.written
             if left == 1:
                 n[i] = 1
             else:
@@ -544,7 +563,7 @@ class Scheduler:
         took none)."""
         # Every prefilling row goes to the sub-batch, even one taking a single token: its
         # chunk runs in the chunk program (under replay, too), as it would in one program.
-        prefilling = np.array([r is not None and len(r.job.context) - r.written > 1
+        prefilling = np.array([r is not None and r.job.context_len - r.written > 1
                                for r in self._slots]) & (n_new > 0)
         wide = np.flatnonzero(prefilling) if n_new.max() > 1 else np.zeros(0, np.int64)
         size = 1 << (len(wide) - 1).bit_length() if len(wide) else 0
@@ -563,26 +582,19 @@ class Scheduler:
 
     def _merge(self, logits, idx: np.ndarray, sub_logits):
         """The whole batch's logits with the sub-batch's rows `idx` in (None: no others)."""
-        if logits is None:
-            logits = jnp.zeros((self.rows, sub_logits.shape[-1]), sub_logits.dtype)
-        return logits.at[idx].set(sub_logits, mode="drop")
+        return programs.merge_rows(logits, np.asarray(idx, np.int32), sub_logits, self.rows)
 
     def _extend_rows(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None):
-        """`_extend` over a sub-batch: rows `idx` taken out of `cache`, extended and put back
-        (the pools, shared by every row, are the sub-batch's own: the old ones are donated)."""
-        at = jnp.asarray(idx, jnp.int32)
-        axes = tuple(a for a in self._axes if a is not None)
-        rows, shared, tree = programs.split(cache, self._axes)
-        sub = programs.join(tree, self._axes, programs.take_rows(axes, rows, at), shared)
-        logits, sub = self._extend(sub, idx, n_new, width)
-        sub_rows, shared, _ = programs.split(sub, self._axes)
-        return logits, programs.join(tree, self._axes,
-                                     programs.put_rows(axes, rows, at, sub_rows), shared)
+        """`_extend` over a sub-batch: rows `idx` of `cache` (an index past the batch: a
+        stand-in) taken out, extended and put back, in one program (programs.extend_rows)."""
+        return self._extend(cache, idx, n_new, width, sub_batch=True)
 
-    def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None):
-        """(logits, cache): the rows of `cache` hold scheduler rows `idx` (an index past the
-        batch: a stand-in), each extended by its n_new tokens of its context, in a program
-        of `width` tokens per row (default: the bucketed longest)."""
+    def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None,
+                sub_batch: bool = False):
+        """(logits, cache): scheduler rows `idx` (an index past the batch: a stand-in), each
+        extended by its n_new tokens of its context, in a program of `width` tokens per row
+        (default: the bucketed longest); the rows of `cache` are rows `idx`, or with
+        `sub_batch` the whole batch's, of which rows `idx` run."""
         count = np.array([n_new[i] if i < self.rows else 0 for i in idx], np.int32)
         if width is None:
             width = int(count.max())
@@ -591,17 +603,20 @@ class Scheduler:
         for k, i in enumerate(idx):
             r = self._slots[i] if i < self.rows else None
             if r is not None and count[k]:
-                tokens[k, : count[k]] = r.job.context[r.written: r.written + count[k]]
+                tokens[k, : count[k]] = r.job.context_span(r.written, r.written + count[k])
         replay = self.replay if self.replay is not None and width > 1 else None
         replay_from = None
         if replay is not None:
-            replay_from = jnp.asarray([self._replay_from(self._slots[i])
-                                       if i < self.rows and self._slots[i] is not None else 0
-                                       for i in idx], jnp.int32)
+            replay_from = np.array([self._replay_from(self._slots[i])
+                                    if i < self.rows and self._slots[i] is not None else 0
+                                    for i in idx], np.int32)
         eng = self.engine
+        if sub_batch:
+            return programs.extend_rows(eng.graph, self._axes, eng.state, tokens, count, cache,
+                                        np.asarray(idx, np.int32), replay, replay_from)
         with eng._on_mesh():
-            return generate.prefill_program(eng.graph, eng.state, jnp.asarray(tokens),
-                                            jnp.asarray(count), cache, replay, replay_from)
+            return generate.prefill_program(eng.graph, eng.state, tokens, count, cache,
+                                            replay, replay_from)
 
     def warm_up_shapes(self) -> list[tuple[int, int]]:
         """(width, rows) of every step program a step can run, in warm_up's order: each chunk
@@ -647,10 +662,9 @@ class Scheduler:
         field = lambda f, d: np.array([d if q is None else f(q) for q in reqs])  # noqa: E731
         steps = np.array([0 if r is None else len(r.job.output) for r in self._slots],
                          np.int32)
-        toks = programs.sample_rows(logits, jnp.asarray(field(lambda q: q.seed, 0), jnp.int32),
-                                    jnp.asarray(steps),
-                                    jnp.asarray(field(lambda q: q.temperature, 0.0), jnp.float32),
-                                    jnp.asarray(field(lambda q: q.top_p, 1.0), jnp.float32))
+        toks = programs.sample_rows(logits, field(lambda q: q.seed, 0).astype(np.int32), steps,
+                                    field(lambda q: q.temperature, 0.0).astype(np.float32),
+                                    field(lambda q: q.top_p, 1.0).astype(np.float32))
         return np.asarray(jax.device_get(toks))
 
     def _draw(self, logits, drawing: list[int]) -> list[Event]:
@@ -700,5 +714,5 @@ class Scheduler:
         mask[rows] = True
         for led in self.ledgers:
             led.release(mask)
-        self.cache = programs.clear_rows(self.engine.units, self.cache, jnp.asarray(mask),
+        self.cache = programs.clear_rows(self.engine.units, self.cache, mask,
                                          self._blank)

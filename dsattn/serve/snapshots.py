@@ -90,9 +90,9 @@ class Snapshots:
         self.store, _, _ = programs.split(empty(n), axes)
         self.bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in self.store)
 
-    def _pad(self, idx, size: int, past: int) -> jax.Array:
+    def _pad(self, idx, size: int, past: int) -> np.ndarray:
         idx = list(idx)
-        return jnp.asarray(idx + [past] * (size - len(idx)), jnp.int32)
+        return np.asarray(idx + [past] * (size - len(idx)), np.int32)
 
     def take(self, state, rows, slots, batch: int):
         """`state` after slots `slots` took copies of rows `rows` (pairwise)."""
@@ -109,5 +109,5 @@ class Snapshots:
         """`state` after slots `slots` were emptied (their page references released)."""
         mask = np.zeros(self.n, bool)
         mask[list(slots)] = True
-        state, self.store = _drop(self.units, self.axes, state, self.store, jnp.asarray(mask))
+        state, self.store = _drop(self.units, self.axes, state, self.store, mask)
         return state
