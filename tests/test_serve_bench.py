@@ -3,6 +3,7 @@ the largest pool that fits MHA's cache bytes, checked against byte counts of rea
 
 import jax
 import numpy as np
+import pytest
 
 from dsattn import generate
 from dsattn.bench import serving
@@ -84,6 +85,9 @@ def test_a_shared_prefix_is_reused_and_held_once():
     assert on["prefix_hit_rate"] == hit / (len(p) + len(q))
     assert off["prefix_hit_tokens"] == 0 and off["prefix_hit_rate"] == 0.0
     assert on["outputs"] == off["outputs"] and sorted(on["outputs"]) == [0, 1]
+    for m in (on, off):  # two rows, two requests: a row at once; TTFT is all prefill
+        assert m["queue_median_s"] + m["prefill_median_s"] == pytest.approx(m["ttft_median_s"])
+        assert 0 <= m["queue_median_s"] < m["prefill_median_s"]
     # pages: CSA's pool holds 4 entries of 4 positions a page; the prefix's 2 once, each
     # request's prompt + output - 1 positions past them
     pages = lambda n: -(-(n // 4) // 4)  # noqa: E731
@@ -96,8 +100,10 @@ def test_a_shared_prefix_is_reused_and_held_once():
     assert on["snapshot_bytes"] == slots * serving.snapshot_slot_bytes(eng, MAX_LEN) > 0
     assert off["snapshot_bytes"] == 0
     # the load's floor (prefill free, each step the fastest of one row alone) is below both
-    step = serving.decode_step_s(Scheduler(eng, 2, MAX_LEN, max_chunk=16), 16,
-                                 eng.cfg.model.vocab_size)
+    times = serving.decode_step_times(Scheduler(eng, 2, MAX_LEN, max_chunk=16), 16,
+                                      eng.cfg.model.vocab_size)
+    assert times.shape == (32,)
+    step = float(times.min())
     floor = serving.fcfs_floor(arrivals, 2, step)
     assert 0 < step and 0 < floor["floor_wall_s"] < min(on["wall_s"], off["wall_s"])
     assert floor["floor_ttft_median_s"] == 0.0  # two rows, two requests: nobody waits

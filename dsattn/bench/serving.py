@@ -169,9 +169,12 @@ def serve(sched: Scheduler, arrivals, shared_prefix: int = 0) -> dict:
     id). Pages are sampled after every step (a row finishing in a step has given its pages
     back by then), each a maximum over the steps: `peak_pages` in use (shared pages once,
     those only cached prefixes hold included), `peak_row_pages` held by running rows,
-    `ideal_pages` (`ideal_pages_now`: the running rows with the shared prefix stored once)."""
+    `ideal_pages` (`ideal_pages_now`: the running rows with the shared prefix stored once).
+    TTFT splits into the wait for a row (`queue_*`: submission to the step that first gave
+    the request a row) and the rest (`prefill_*`: that step's start to the first token: the
+    prompt's prefill, a restored prefix's copy, waiting for a prefix another row computes)."""
     t0, pending = time.perf_counter(), list(arrivals)
-    submitted, times, peak, outputs = {}, {}, 0, {}
+    submitted, times, peak, outputs, admitted = {}, {}, 0, {}, {}
     peak_pages = held = ideal = 0
     while pending or not sched.idle:
         now = time.perf_counter() - t0
@@ -181,8 +184,11 @@ def serve(sched: Scheduler, arrivals, shared_prefix: int = 0) -> dict:
         if sched.idle:
             time.sleep(max(0.0, pending[0][0] - now))
             continue
+        began = time.perf_counter() - t0
         events = sched.step()
         stamp = time.perf_counter() - t0
+        for rid in sched.running_ids() + [ev.request_id for ev in events]:
+            admitted.setdefault(rid, began)  # admitted by this step (some also finished)
         peak = max(peak, sched.active)
         peak_pages = max(peak_pages, sched.pages_total - sched.pages_free())
         held = max(held, row_pages(sched))
@@ -194,11 +200,14 @@ def serve(sched: Scheduler, arrivals, shared_prefix: int = 0) -> dict:
                 outputs[ev.request_id].append(ev.token)
     wall = time.perf_counter() - t0
     ttft = [times[r][0] - submitted[r] for r in times]
+    queue = [admitted[r] - submitted[r] for r in times]
+    prefill = [times[r][0] - admitted[r] for r in times]
     itl = np.concatenate([np.diff(t) for t in times.values()] + [np.zeros(0)])
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
     return {"requests_per_s": len(submitted) / wall,
             "output_tokens_per_s": sum(map(len, times.values())) / wall,
             "ttft_median_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "queue_median_s": pct(queue, 50), "prefill_median_s": pct(prefill, 50),
             "itl_median_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
             "peak_active": peak, "preemptions": sched.preemptions, "wall_s": wall,
             **prefix_measures(sched.prefix_metrics()), "pages_total": sched.pages_total,
@@ -223,22 +232,25 @@ def fcfs_floor(arrivals, rows: int, step_s: float) -> dict:
             "floor_wall_s": max(max(free), arrivals[-1][0])}
 
 
-def decode_step_s(sched: Scheduler, prompt_len: int, vocab: int, steps: int = 32) -> float:
-    """The fastest of `steps` decode steps of one request decoding alone in `sched` (a fresh
-    scheduler, warmed up) at `prompt_len` positions: a step running more rows does at least
-    this work, so it is the floor's step time."""
+def decode_step_times(sched: Scheduler, prompt_len: int, vocab: int,
+                      steps: int = 32) -> np.ndarray:
+    """Seconds of each of `steps` decode steps of one request decoding alone in `sched` (a
+    fresh scheduler, warmed up) at `prompt_len` positions. The scheduler's decode program
+    runs every row whichever hold requests, so a step running more rows does this work
+    too: the fastest is the floor's step time; the median, what a step takes typically on
+    this machine (its spread is the machine's, paid by any scheduler)."""
     prompt = np.random.RandomState(1).randint(0, vocab, prompt_len)
     sched.submit(Request(prompt, steps + 2))
     while not any(ev.token is not None for ev in sched.step()):
         pass  # prefill until the first token
-    fastest = float("inf")
+    times = []
     for _ in range(steps):
         t = time.perf_counter()
         sched.step()
-        fastest = min(fastest, time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
     while not sched.idle:
         sched.step()
-    return fastest
+    return np.array(times)
 
 
 def prefix_measures(m: dict) -> dict:
@@ -291,9 +303,13 @@ def run(config_dir, presets=("mha", "v4"), load: Load = Load(), *overrides, log=
                     measured = serve(sched, arrivals, load.shared_prefix)
             outputs = measured.pop("outputs")
             if load.shared_prefix:
-                step = decode_step_s(make(), load.shared_prefix + load.prompt[0],
-                                     eng.cfg.model.vocab_size)
-                measured.update(decode_step_s=step, **fcfs_floor(arrivals, rows, step))
+                times = decode_step_times(make(), load.shared_prefix + load.prompt[0],
+                                          eng.cfg.model.vocab_size)
+                fastest, median = float(times.min()), float(np.median(times))
+                typical = fcfs_floor(arrivals, rows, median)  # the floor at a typical step
+                measured.update(decode_step_s=fastest, decode_step_median_s=median,
+                                **fcfs_floor(arrivals, rows, fastest),
+                                **{f"typical_{k}": v for k, v in typical.items()})
             if store and measured["snapshot_bytes"] != nodes(rows) * slot:
                 raise AssertionError(  # what fit charged is not what the scheduler made
                     f"serve {name}: snapshot store {measured['snapshot_bytes']} bytes, "
@@ -313,17 +329,20 @@ def run(config_dir, presets=("mha", "v4"), load: Load = Load(), *overrides, log=
 
 def table(rows) -> str:
     """Columns: preset, prefix cache on/off, rows, decode-state MB, snapshot store MB, the
-    most requests running at once, req/s, output tok/s, TTFT and ITL (p50, p99, seconds),
+    most requests running at once, req/s, output tok/s, TTFT (p50, p99, and the p50s of its
+    two parts: `serve`'s queue and prefill), ITL (p50, p99; seconds),
     preemptions, prefix hit rate (%), evictions, and the most pool pages: in use (`pages`,
     cached prefixes' included), held by running rows (`held`), ideal (`ideal_pages_now`:
     the shared prefix once plus each running row's own), pages / ideal and held / ideal
-    (- for a preset without page pools), and the load's FCFS floor: TTFT p50 and wall
-    (seconds; - where not measured)."""
+    (- for a preset without page pools), and the load's FCFS floor: TTFT p50 and wall at
+    the fastest decode step, then both at the median step (`typ`; seconds; - where not
+    measured)."""
     lines = [f"{'preset':<7} {'cache':>5} {'rows':>4} {'cache MB':>8} {'snap MB':>7} "
-             f"{'peak':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>8} {'p99':>7} "
+             f"{'peak':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>8} {'p99':>7} {'queue':>6} "
+             f"{'prefill':>7} "
              f"{'ITL p50':>8} {'p99':>7} {'preempt':>7} {'hit %':>5} {'evict':>5} "
              f"{'pages':>6} {'held':>6} {'ideal':>6} {'x':>5} {'x held':>6} "
-             f"{'wall':>6} {'floor p50':>9} {'wall':>6}"]
+             f"{'wall':>6} {'floor p50':>9} {'wall':>6} {'typ p50':>7} {'wall':>6}"]
     for r in rows:
         if r.get("pages_total", 0) > 0:
             ideal = r["ideal_pages"] or float("nan")
@@ -336,9 +355,13 @@ def table(rows) -> str:
                      f"{r.get('snapshot_bytes', 0) / 2**20:>7.2f} "
                      f"{r['peak_active']:>4} {r['requests_per_s']:>6.2f} "
                      f"{r['output_tokens_per_s']:>7.1f} {r['ttft_median_s']:>8.3f} "
-                     f"{r['ttft_p99_s']:>7.3f} {r['itl_median_s']:>8.4f} {r['itl_p99_s']:>7.4f} "
+                     f"{r['ttft_p99_s']:>7.3f} {r['queue_median_s']:>6.3f} "
+                     f"{r['prefill_median_s']:>7.3f} "
+                     f"{r['itl_median_s']:>8.4f} {r['itl_p99_s']:>7.4f} "
                      f"{r['preemptions']:>7} {100 * r.get('prefix_hit_rate', 0.0):>5.1f} "
                      f"{r.get('prefix_evictions', 0):>5} {pages} {r['wall_s']:>6.2f} "
-                     + (f"{r['floor_ttft_median_s']:>9.3f} {r['floor_wall_s']:>6.2f}"
-                        if "floor_wall_s" in r else f"{'-':>9} {'-':>6}"))
+                     + (f"{r['floor_ttft_median_s']:>9.3f} {r['floor_wall_s']:>6.2f} "
+                        f"{r['typical_floor_ttft_median_s']:>7.3f} "
+                        f"{r['typical_floor_wall_s']:>6.2f}"
+                        if "floor_wall_s" in r else f"{'-':>9} {'-':>6} {'-':>7} {'-':>6}"))
     return "\n".join(lines)
