@@ -18,8 +18,8 @@ Each `step()` the host decides and the device computes:
    out of the decode state, extended and put back in one program: programs.extend_rows) at
    the bucketed width of the longest chunk, so a chunk's width is paid by the rows that
    prefill, not by every row (one [rows, width] program when the sub-batch would be the
-   whole batch, or on a mesh); then sample every row with its own temperature, top-p and key on the device
-   (programs.sample_rows);
+   whole batch, or on a mesh); then sample every row with its own temperature, top-p and
+   key on the device (programs.sample_rows);
 4. record each sampling row's token, retire the rows that hit their eos token, a stop
    sequence or max_new_tokens, and clear them at once (programs.clear_rows: pages released,
    window ring and compressor state reset), ready for the next request.
@@ -75,17 +75,13 @@ class _Job:
     reported: bool = False  # its first event went out (it carries `cached`)
 
     @property
-    def context(self) -> list[int]:
-        """What its row's cache must hold before its next token is drawn."""
-        return list(self.req.prompt) + self.output
-
-    @property
     def context_len(self) -> int:
-        """len(context), without building it (asked for every row every step)."""
+        """Tokens its row's cache must hold before its next token is drawn: its prompt and
+        its output so far (counted, not built: asked for every row every step)."""
         return len(self.req.prompt) + len(self.output)
 
     def context_span(self, start: int, stop: int) -> list[int]:
-        """context[start:stop], without building the whole context."""
+        """Tokens start:stop of that context (prompt then output), without building it."""
         n = len(self.req.prompt)
         return (list(self.req.prompt[start:stop])
                 + self.output[max(start - n, 0): max(stop - n, 0)])
@@ -372,10 +368,12 @@ class Scheduler:
     def _start(self) -> None:
         """Start the rows waiting to: each restores the deepest cached prefix of its prompt,
         or waits while a deeper one is being computed by another row, or begins from
-        nothing; then registers the prefixes it will publish."""
-        for r in self._slots:  # first the running rows' points another prompt now shares:
-            if self.prefix_cache and r is not None and r.started:  # a newcomer waits for
-                self._register(r)  # those rather than computing the same prefix beside
+        nothing; then registers the prefixes it will publish. The running rows register
+        first what the prompts submitted since make worth keeping, so that a newcomer
+        waits for a prefix a running row is computing instead of computing it beside it."""
+        for r in self._slots:
+            if self.prefix_cache and r is not None and r.started:
+                self._register(r)
         restore = []
         for i, r in enumerate(self._slots):
             if r is None or r.started:
