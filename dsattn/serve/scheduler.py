@@ -42,7 +42,6 @@ import itertools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsattn import generate
@@ -421,9 +420,9 @@ class Scheduler:
         points still ahead of it once another request with its prefix arrives."""
         points = r.job.points  # ascending: a decoding row has none ahead
         ahead = points[bisect.bisect_right(points, r.written):]
-        seen = [self._seen.get(r.job.digests[b // self.block - 1], 0) for b in ahead] + [0]
-        for k, b in enumerate(ahead):
-            digest = r.job.digests[b // self.block - 1]
+        digests = [r.job.digests[b // self.block - 1] for b in ahead]
+        seen = [self._seen.get(d, 0) for d in digests] + [0]
+        for k, (b, digest) in enumerate(zip(ahead, digests)):
             if (b not in r.pending and digest not in self.index
                     and seen[k] > max(1, seen[k + 1])):
                 r.pending[b] = self.index.insert(digest, None, r.job.req.prompt[:b])
@@ -575,24 +574,20 @@ class Scheduler:
         # The sub-batch: the prefilling rows, then stand-ins (indices past the batch) that
         # take no token and are dropped when the rows go back.
         idx = np.concatenate([wide, np.full(size - len(wide), self.rows)])
-        sub_logits, self.cache = self._extend_rows(self.cache, idx, n_new)
+        sub_logits, self.cache = self._extend(self.cache, idx, n_new, sub_batch=True)
         return self._merge(logits, idx, sub_logits)
 
     def _merge(self, logits, idx: np.ndarray, sub_logits):
         """The whole batch's logits with the sub-batch's rows `idx` in (None: no others)."""
         return programs.merge_rows(logits, np.asarray(idx, np.int32), sub_logits, self.rows)
 
-    def _extend_rows(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None):
-        """`_extend` over a sub-batch: rows `idx` of `cache` (an index past the batch: a
-        stand-in) taken out, extended and put back, in one program (programs.extend_rows)."""
-        return self._extend(cache, idx, n_new, width, sub_batch=True)
-
     def _extend(self, cache, idx: np.ndarray, n_new: np.ndarray, width: int | None = None,
                 sub_batch: bool = False):
         """(logits, cache): scheduler rows `idx` (an index past the batch: a stand-in), each
         extended by its n_new tokens of its context, in a program of `width` tokens per row
         (default: the bucketed longest); the rows of `cache` are rows `idx`, or with
-        `sub_batch` the whole batch's, of which rows `idx` run."""
+        `sub_batch` the whole batch's, of which rows `idx` are taken out, extended and put
+        back in one program (programs.extend_rows)."""
         count = np.array([n_new[i] if i < self.rows else 0 for i in idx], np.int32)
         if width is None:
             width = int(count.max())
@@ -640,7 +635,7 @@ class Scheduler:
                 logits, cache = self._extend(cache, np.arange(self.rows), none, w)
             else:
                 stand_ins = np.full(size, self.rows)  # no row: nothing changes
-                sub_logits, cache = self._extend_rows(cache, stand_ins, none, w)
+                sub_logits, cache = self._extend(cache, stand_ins, none, w, sub_batch=True)
                 self._merge(None, stand_ins, sub_logits)  # a step with no decoding rows
                 logits = self._merge(logits, stand_ins, sub_logits)
             if done is not None:
